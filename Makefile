@@ -1,0 +1,26 @@
+# Common loops. Rust build products live outside the clone so rebuilds stay incremental.
+export CARGO_TARGET_DIR ?= $(HOME)/.cache/dilaserve/target
+PYTHON ?= python3
+
+.PHONY: install test test-rust test-python lint bench
+
+# Editable install with test extras; pip skips what is already installed (torch is large).
+install:
+	$(PYTHON) -m pip install -e '.[test]'
+
+test: install test-rust test-python
+
+test-rust:
+	cargo test --release
+
+test-python:
+	$(PYTHON) -m pytest -q
+
+lint:
+	cargo fmt --check
+	cargo clippy --all-targets --features python -- -D warnings
+	$(PYTHON) -m ruff check python tests benches kernels
+	$(PYTHON) -m ruff format --check python tests benches kernels
+
+bench:
+	for b in benches/*.py; do $(PYTHON) $$b || exit 1; done

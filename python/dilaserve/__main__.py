@@ -1,0 +1,5 @@
+import sys
+
+from dilaserve.cli import main
+
+sys.exit(main())

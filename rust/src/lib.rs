@@ -1,0 +1,19 @@
+//! DiLaServe's Rust core: latency profiles, and (growing) the scheduling loop, load
+//! accounting and ILP reconfiguration. Everything here is a plain Rust library; the pyo3
+//! bindings are compiled only with the `python` feature, which maturin turns on.
+
+pub mod profile;
+
+#[cfg(feature = "python")]
+mod bindings;
+
+#[cfg(feature = "python")]
+use pyo3::prelude::*;
+
+/// The `dilaserve._core` extension module.
+#[cfg(feature = "python")]
+#[pymodule]
+#[pyo3(name = "_core")]
+fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    bindings::register(m)
+}
