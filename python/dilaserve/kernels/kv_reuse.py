@@ -1,0 +1,1 @@
+../../../kernels/kv_reuse.py
