@@ -1,0 +1,351 @@
+"""Executes one denoising step for a batch of requests, each with its own threshold.
+
+DESIGN §1: output is decoded block by block; a step runs the model, and within the current
+block commits every masked position whose confidence reaches the request's τ (at least one).
+With an approximate KV cache the first step of a block is a *recompute* step over the whole
+sequence that refreshes K/V, later steps of the block are *cache* steps over the block's
+positions (dual cache) or the block and everything after it (prefix cache).
+
+The runner decides nothing: the engine says which requests step and with which τ; the step
+kind follows from each request's state and the runner's cache mode.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from dilaserve.kernels import confidence_commit
+from dilaserve.worker.kv_cache import KVCachePool
+from dilaserve.worker.state import CacheMode, InvalidRequestError, RequestState, StepKind
+
+
+class UnknownRequestError(KeyError):
+    """The runner holds no request with this id."""
+
+
+class MigrationError(RuntimeError):
+    """A request cannot leave its runner now: its next step reads a KV cache held here."""
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one step did to one request."""
+
+    request_id: str
+    kind: StepKind
+    block: int
+    committed_positions: list[int]  # output-relative indices
+    committed_tokens: list[int]
+    # min, q25, median, mean, q75 of the confidences of the block positions that were masked
+    # when the step began: the step predictor's confidence features.
+    confidence_stats: tuple[float, float, float, float, float]
+    num_masked: int
+    done: bool
+
+
+@dataclass(frozen=True)
+class StepResult:
+    outputs: list[StepOutput]
+    forward_tokens: int  # tokens that went through the model in this step
+    seconds: float
+
+
+@dataclass
+class _Held:
+    """A request resident on this runner: its state plus device-side tokens and KV slot."""
+
+    state: RequestState
+    tokens: torch.Tensor  # prompt + output ids, 1-D, on the model's device
+    slot: int | None
+
+    @property
+    def block_start(self) -> int:
+        """Sequence index of the current block's first position."""
+        return self.state.prompt_length + self.state.current_block * self.state.block_length
+
+
+class StepRunner:
+    """One model instance's step executor (batched, per-request τ, optional KV cache)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        cache: CacheMode | str = CacheMode.NONE,
+        max_requests: int = 64,
+        max_seq_len: int | None = None,
+    ) -> None:
+        self.model = model
+        self.config = model.config
+        self.device = next(model.parameters()).device
+        self.cache_mode = CacheMode(cache)
+        self.max_seq_len = max_seq_len or self.config.max_position_embeddings
+        self.pool: KVCachePool | None = None
+        if self.cache_mode is not CacheMode.NONE:
+            self.pool = KVCachePool(
+                num_layers=self.config.num_layers,
+                num_slots=max_requests,
+                num_kv_heads=self.config.num_kv_heads,
+                max_len=self.max_seq_len,
+                head_dim=self.config.head_dim,
+                dtype=next(model.parameters()).dtype,
+                device=self.device,
+            )
+        self._held: dict[str, _Held] = {}
+        self.forward_tokens = 0
+
+    # -- residency -----------------------------------------------------------------------
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._held
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def add(self, state: RequestState) -> None:
+        """Takes a request in: a new arrival or one migrating from another runner.
+
+        A request arriving with a cache mode on must be at a block boundary, since its K/V
+        are rebuilt by the recompute step that opens the block.
+        """
+        state.validate()
+        if state.request_id in self._held:
+            raise InvalidRequestError(f"request {state.request_id!r} is already on this runner")
+        if state.seq_length > self.max_seq_len:
+            raise InvalidRequestError(
+                f"request {state.request_id!r}: {state.seq_length} tokens exceed this "
+                f"runner's limit of {self.max_seq_len}"
+            )
+        if state.mask_token_id != self.config.mask_token_id:
+            raise InvalidRequestError(
+                f"request {state.request_id!r}: mask token {state.mask_token_id} is not the "
+                f"model's ({self.config.mask_token_id})"
+            )
+        vocab = self.config.vocab_size
+        if any(not 0 <= t < vocab for t in state.prompt_ids + state.output_ids):
+            raise InvalidRequestError(
+                f"request {state.request_id!r}: token id outside the vocabulary [0, {vocab})"
+            )
+        if self.cache_mode is not CacheMode.NONE and state.block_steps != 0:
+            raise MigrationError(
+                f"request {state.request_id!r} is in the middle of a block; with a KV cache it "
+                "can only join a runner before a recompute step"
+            )
+        tokens = torch.tensor(state.prompt_ids + state.output_ids, device=self.device)
+        slot = self.pool.allocate() if self.pool is not None else None
+        self._held[state.request_id] = _Held(state=_copy(state), tokens=tokens, slot=slot)
+
+    def state(self, request_id: str) -> RequestState:
+        """A copy of a resident request's current token state."""
+        return _copy(self._get(request_id).state)
+
+    def export(self, request_id: str) -> RequestState:
+        """Removes a request for migration; only allowed when its next step needs no cache."""
+        held = self._get(request_id)
+        if held.state.next_step_kind(self.cache_mode) is StepKind.CACHE:
+            raise MigrationError(
+                f"request {request_id!r}: its next step is a cache step; migrate it before a "
+                "recompute step"
+            )
+        return self.release(request_id)
+
+    def release(self, request_id: str) -> RequestState:
+        """Drops a request (finished, cancelled or migrating) and frees its KV slot."""
+        held = self._held.pop(request_id, None)
+        if held is None:
+            raise UnknownRequestError(request_id)
+        if held.slot is not None and self.pool is not None:
+            self.pool.free(held.slot)
+        return held.state
+
+    def _get(self, request_id: str) -> _Held:
+        try:
+            return self._held[request_id]
+        except KeyError:
+            raise UnknownRequestError(request_id) from None
+
+    # -- one step ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self, batch: Sequence[tuple[str, float]]) -> StepResult:
+        """Runs one denoising step for every `(request_id, threshold)` in `batch`."""
+        started = time.perf_counter()
+        held = self._check_batch(batch)
+        kinds = [h.state.next_step_kind(self.cache_mode) for h in held]
+        full = [i for i, k in enumerate(kinds) if k is not StepKind.CACHE]
+        cached = [i for i, k in enumerate(kinds) if k is StepKind.CACHE]
+        order = full + cached
+        logits = []
+        fed = 0
+        if full:
+            group_logits, group_fed = self._forward_full(
+                [held[i] for i in full], write_cache=self.pool is not None
+            )
+            logits.append(group_logits)
+            fed += group_fed
+        if cached:
+            group_logits, group_fed = self._forward_cached([held[i] for i in cached])
+            logits.append(group_logits)
+            fed += group_fed
+        ordered = [held[i] for i in order]
+        tau = torch.tensor([batch[i][1] for i in order], dtype=torch.float32, device=self.device)
+        outputs = self._commit(ordered, [kinds[i] for i in order], torch.cat(logits), tau)
+        self.forward_tokens += fed
+        by_id = {o.request_id: o for o in outputs}
+        return StepResult(
+            outputs=[by_id[rid] for rid, _ in batch],
+            forward_tokens=fed,
+            seconds=time.perf_counter() - started,
+        )
+
+    def _check_batch(self, batch: Sequence[tuple[str, float]]) -> list[_Held]:
+        if not batch:
+            raise ValueError("a step needs at least one request")
+        seen: set[str] = set()
+        held = []
+        for request_id, tau in batch:
+            if request_id in seen:
+                raise ValueError(f"request {request_id!r} appears twice in one step")
+            seen.add(request_id)
+            if not 0.0 <= tau <= 1.0:
+                raise ValueError(f"request {request_id!r}: threshold {tau} is outside [0, 1]")
+            h = self._get(request_id)
+            if h.state.done:
+                raise ValueError(f"request {request_id!r} is already finished")
+            held.append(h)
+        return held
+
+    def _forward_full(self, rows: list[_Held], *, write_cache: bool) -> tuple[torch.Tensor, int]:
+        """No-cache or recompute step: every position of each row goes through the model."""
+        lengths = [h.state.seq_length for h in rows]
+        ids, positions, valid = self._pack([h.tokens for h in rows], [0] * len(rows), lengths)
+        starts = torch.tensor([h.block_start for h in rows], device=self.device)
+        logits_index = self._block_index(rows, starts - self.config.logit_shift)
+        logits = self.model(
+            ids,
+            positions,
+            valid,
+            logits_index=logits_index,
+            **(self._cache_args(rows, "write") if write_cache else {}),
+        )
+        return logits, sum(lengths)
+
+    def _forward_cached(self, rows: list[_Held]) -> tuple[torch.Tensor, int]:
+        """Cache step: the block (dual) or block + suffix (prefix) over stored K/V.
+
+        A model whose logits are shifted (Dream) also needs the hidden state of the position
+        before the block, so that one position is fed as well.
+        """
+        shift = self.config.logit_shift
+        begins = [h.block_start - shift for h in rows]
+        if self.cache_mode is CacheMode.DUAL:
+            ends = [h.block_start + h.state.block_length for h in rows]
+        else:
+            ends = [h.state.seq_length for h in rows]
+        ids, positions, valid = self._pack(
+            [h.tokens for h in rows], begins, [e - b for b, e in zip(begins, ends, strict=True)]
+        )
+        zeros = torch.zeros(len(rows), dtype=torch.long, device=self.device)
+        logits = self.model(
+            ids,
+            positions,
+            valid,
+            logits_index=self._block_index(rows, zeros),
+            **self._cache_args(rows, "read"),
+        )
+        return logits, int(valid.sum())
+
+    def _pack(
+        self, tokens: list[torch.Tensor], begins: list[int], lengths: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Right-padded `[b, n]` ids, absolute positions and validity of per-row windows."""
+        n = max(lengths)
+        ids = torch.full(
+            (len(tokens), n), self.config.pad_token_id, dtype=torch.long, device=self.device
+        )
+        for i, (t, b, length) in enumerate(zip(tokens, begins, lengths, strict=True)):
+            ids[i, :length] = t[b : b + length]
+        offsets = torch.arange(n, device=self.device)
+        valid = offsets[None, :] < torch.tensor(lengths, device=self.device)[:, None]
+        begin = torch.tensor(begins, device=self.device)[:, None]
+        positions = torch.where(valid, begin + offsets[None, :], 0)
+        return ids, positions, valid
+
+    def _block_index(self, rows: list[_Held], first: torch.Tensor) -> torch.Tensor:
+        """`[b, Bmax]` indices of each row's block among its fed tokens, starting at `first`.
+
+        Rows with a shorter block repeat their last index; those columns are never candidates.
+        """
+        sizes = torch.tensor([h.state.block_length for h in rows], device=self.device)
+        offsets = torch.arange(int(sizes.max()), device=self.device)[None, :]
+        return first[:, None] + torch.minimum(offsets, sizes[:, None] - 1)
+
+    def _cache_args(self, rows: list[_Held], mode: str) -> dict:
+        return {
+            "cache": self.pool,
+            "cache_rows": torch.tensor([h.slot for h in rows], device=self.device),
+            "cache_mode": mode,
+            "cache_len": torch.tensor([h.state.seq_length for h in rows], device=self.device),
+        }
+
+    def _commit(
+        self, rows: list[_Held], kinds: list[StepKind], logits: torch.Tensor, tau: torch.Tensor
+    ) -> list[StepOutput]:
+        width = logits.shape[1]
+        mask_id = self.config.mask_token_id
+        starts = [h.block_start for h in rows]
+        sizes = [h.state.block_length for h in rows]
+        ids = torch.full((len(rows), width), mask_id, dtype=torch.long, device=self.device)
+        for i, (h, s, size) in enumerate(zip(rows, starts, sizes, strict=True)):
+            ids[i, :size] = h.tokens[s : s + size]
+        in_block = (
+            torch.arange(width, device=self.device)[None, :]
+            < torch.tensor(sizes, device=self.device)[:, None]
+        )
+        result = confidence_commit(logits, (ids == mask_id) & in_block, tau, ids)
+        committed = result.committed.tolist()
+        new_ids = ids.tolist()
+        stats = result.stats.tolist()
+        outputs = []
+        for i, h in enumerate(rows):
+            size = sizes[i]
+            h.tokens[starts[i] : starts[i] + size] = ids[i, :size]
+            state = h.state
+            out_start = starts[i] - state.prompt_length
+            positions = [out_start + j for j in range(size) if committed[i][j]]
+            tokens = [new_ids[i][j] for j in range(size) if committed[i][j]]
+            for p, t in zip(positions, tokens, strict=True):
+                state.output_ids[p] = t
+            state.steps_done += 1
+            block_open = mask_id in state.output_ids[out_start : out_start + size]
+            state.block_steps = state.block_steps + 1 if block_open else 0
+            done = state.done
+            if done and h.slot is not None and self.pool is not None:
+                self.pool.free(h.slot)
+                h.slot = None
+            outputs.append(
+                StepOutput(
+                    request_id=state.request_id,
+                    kind=kinds[i],
+                    block=out_start // size,
+                    committed_positions=positions,
+                    committed_tokens=tokens,
+                    confidence_stats=tuple(stats[i]),  # type: ignore[arg-type]
+                    num_masked=state.num_masked,
+                    done=done,
+                )
+            )
+        return outputs
+
+
+def _copy(state: RequestState) -> RequestState:
+    return replace(
+        state,
+        prompt_ids=list(state.prompt_ids),
+        output_ids=list(state.output_ids),
+        metadata=dict(state.metadata),
+    )

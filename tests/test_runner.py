@@ -1,0 +1,254 @@
+"""Step-level decoding: the runner against a reference loop, batching, caching, migration."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dilaserve.models import load_model
+from dilaserve.worker.generate import generate
+from dilaserve.worker.runner import MigrationError, StepRunner, UnknownRequestError
+from dilaserve.worker.state import InvalidRequestError, RequestState, StepKind
+
+BLOCK = 8
+CACHE_MODES = ["none", "prefix", "dual"]
+
+
+@pytest.fixture(scope="module", params=["llada", "dream"])
+def model(request, tiny_llada_dir, tiny_dream_dir):
+    path = tiny_llada_dir if request.param == "llada" else tiny_dream_dir
+    return load_model(path, dtype="float32", device="cpu")
+
+
+def _prompts(model, lengths=(5, 11, 3)):
+    g = torch.Generator().manual_seed(7)
+    vocab = model.config.vocab_size
+    mask = model.config.mask_token_id
+    prompts = []
+    for n in lengths:
+        ids = torch.randint(0, vocab, (n,), generator=g).tolist()
+        prompts.append([t if t != mask else (t + 1) % vocab for t in ids])
+    return prompts
+
+
+def _reference_decode(model, prompt, gen_length, taus):
+    """LLaDA-style generate: full forward each step, commit by the threshold rule."""
+    cfg = model.config
+    x = torch.tensor(prompt + [cfg.mask_token_id] * gen_length)
+    p = len(prompt)
+    steps = 0
+    for block in range(gen_length // BLOCK):
+        lo, hi = p + block * BLOCK, p + (block + 1) * BLOCK
+        while (x[lo:hi] == cfg.mask_token_id).any():
+            n = x.numel()
+            with torch.no_grad():
+                logits = model(x[None], torch.arange(n)[None], torch.ones(1, n, dtype=torch.bool))[
+                    0
+                ].float()
+            if cfg.logit_shift:
+                logits = torch.cat([logits[:1], logits[:-1]])
+            probs = torch.softmax(logits[lo:hi], dim=-1)
+            conf, x0 = probs.max(dim=-1)
+            masked = x[lo:hi] == cfg.mask_token_id
+            conf = torch.where(masked, conf, torch.tensor(-float("inf")))
+            tau = taus(steps)
+            commit = masked & (conf >= tau)
+            if not commit.any():
+                commit = torch.zeros_like(masked)
+                commit[int(conf.argmax())] = True
+            x[lo:hi] = torch.where(commit, x0, x[lo:hi])
+            steps += 1
+    return x[p:].tolist(), steps
+
+
+@pytest.mark.parametrize("taus", [lambda s: 1.0, lambda s: [0.0, 1.0, 0.05][s % 3]])
+def test_no_cache_matches_reference_loop(model, taus):
+    prompt = _prompts(model, (6,))[0]
+    expected, expected_steps = _reference_decode(model, prompt, 2 * BLOCK, taus)
+    runner = StepRunner(model, cache="none")
+    runner.add(
+        RequestState.new(
+            "r", prompt, 2 * BLOCK, block_length=BLOCK, mask_token_id=model.config.mask_token_id
+        )
+    )
+    steps = 0
+    while not runner.state("r").done:
+        out = runner.step([("r", taus(steps))]).outputs[0]
+        assert out.kind is StepKind.NO_CACHE
+        steps += 1
+    assert runner.state("r").output_ids == expected
+    assert steps == expected_steps
+
+
+@pytest.mark.parametrize("cache", CACHE_MODES)
+def test_batch_equals_alone(model, cache):
+    prompts = _prompts(model)
+    taus = [0.0, 1.0, 0.0]
+    gens = [2 * BLOCK, BLOCK, 3 * BLOCK]
+    runner = StepRunner(model, cache=cache, max_requests=4, max_seq_len=64)
+    alone = []
+    for prompt, tau, gen in zip(prompts, taus, gens, strict=True):
+        alone.append(generate(runner, [prompt], gen_length=gen, block_length=BLOCK, threshold=tau))
+    states = [
+        RequestState.new(
+            f"r{i}", p, g, block_length=BLOCK, mask_token_id=model.config.mask_token_id
+        )
+        for i, (p, g) in enumerate(zip(prompts, gens, strict=True))
+    ]
+    # Stagger arrivals so that recompute and cache steps share a batch.
+    runner.add(states[0])
+    runner.step([("r0", taus[0])])
+    runner.add(states[1])
+    runner.add(states[2])
+    kinds_seen = set()
+    active = {"r0": taus[0], "r1": taus[1], "r2": taus[2]}
+    while active:
+        result = runner.step(list(active.items()))
+        kinds_seen.add(frozenset(o.kind for o in result.outputs))
+        active = {o.request_id: active[o.request_id] for o in result.outputs if not o.done}
+    for i, a in enumerate(alone):
+        final = runner.state(f"r{i}")
+        assert final.output_ids == a[0].output_ids
+        assert final.steps_done == a[0].steps
+    if cache != "none":
+        assert any(len(k) == 2 for k in kinds_seen), "no step mixed recompute and cache rows"
+
+
+def _count_fed_tokens(model, monkeypatch):
+    calls = []
+    original = model.forward
+
+    def counting(input_ids, positions, valid, **kw):
+        calls.append((kw.get("cache_mode", "off"), valid.sum(dim=1).tolist()))
+        return original(input_ids, positions, valid, **kw)
+
+    monkeypatch.setattr(model, "forward", counting)
+    return calls
+
+
+def test_dual_cache_steps_feed_only_the_block(model, monkeypatch):
+    prompts = _prompts(model, (9, 4))
+    runner = StepRunner(model, cache="dual", max_requests=2, max_seq_len=64)
+    calls = _count_fed_tokens(model, monkeypatch)
+    results = generate(runner, prompts, gen_length=2 * BLOCK, block_length=BLOCK, threshold=1.0)
+    per_row = BLOCK + model.config.logit_shift
+    cache_calls = [fed for mode, fed in calls if mode == "read"]
+    assert cache_calls, "no cache step ran"
+    assert all(fed == [per_row] * len(fed) for fed in cache_calls)
+    recompute = [fed for mode, fed in calls if mode == "write"]
+    # One recompute step opens each block of each request, over the whole sequence.
+    assert sum(len(f) for f in recompute) == 2 * len(prompts)
+    assert sorted({n for f in recompute for n in f}) == sorted(len(p) + 2 * BLOCK for p in prompts)
+    assert all(r.steps == 2 * BLOCK for r in results)  # tau = 1.0: one token per step
+
+
+def test_step_kinds_and_stats(model):
+    runner = StepRunner(model, cache="dual", max_requests=1, max_seq_len=64)
+    prompt = _prompts(model, (5,))[0]
+    runner.add(
+        RequestState.new(
+            "r", prompt, 2 * BLOCK, block_length=BLOCK, mask_token_id=model.config.mask_token_id
+        )
+    )
+    kinds = []
+    while not runner.state("r").done:
+        out = runner.step([("r", 1.0)]).outputs[0]
+        kinds.append(out.kind)
+        lo, q25, med, mean, q75 = out.confidence_stats
+        assert 0.0 < lo <= q25 <= med <= q75 <= 1.0
+        assert lo <= mean <= 1.0
+        assert len(out.committed_positions) == 1
+        assert out.block == out.committed_positions[0] // BLOCK
+    assert kinds == ([StepKind.RECOMPUTE] + [StepKind.CACHE] * (BLOCK - 1)) * 2
+
+
+@pytest.mark.parametrize("cache", CACHE_MODES)
+def test_migration_resumes_identically(model, cache):
+    prompt = _prompts(model, (7,))[0]
+    mask = model.config.mask_token_id
+    taus = [1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0]
+
+    def fresh():
+        return RequestState.new("r", prompt, 3 * BLOCK, block_length=BLOCK, mask_token_id=mask)
+
+    straight = StepRunner(model, cache=cache, max_requests=2, max_seq_len=64)
+    straight.add(fresh())
+    i = 0
+    while not straight.state("r").done:
+        straight.step([("r", taus[i % len(taus)])])
+        i += 1
+
+    a = StepRunner(model, cache=cache, max_requests=2, max_seq_len=64)
+    b = StepRunner(model, cache=cache, max_requests=3, max_seq_len=64)
+    b.add(RequestState.new("other", prompt, BLOCK, block_length=BLOCK, mask_token_id=mask))
+    a.add(fresh())
+    i = 0
+    while a.state("r").current_block == 0 or a.state("r").block_steps != 0:
+        a.step([("r", taus[i % len(taus)])])
+        i += 1
+    moved = a.export("r")
+    assert "r" not in a
+    b.add(moved)
+    while not b.state("r").done:
+        b.step([("r", taus[i % len(taus)])])
+        i += 1
+    assert b.state("r").output_ids == straight.state("r").output_ids
+    assert b.state("r").steps_done == straight.state("r").steps_done
+
+
+def test_no_migration_before_a_cache_step(model):
+    mask = model.config.mask_token_id
+    runner = StepRunner(model, cache="dual", max_requests=1, max_seq_len=64)
+    runner.add(RequestState.new("r", [1, 2, 3], 2 * BLOCK, block_length=BLOCK, mask_token_id=mask))
+    runner.step([("r", 1.0)])
+    with pytest.raises(MigrationError):
+        runner.export("r")
+    mid_block = runner.state("r")
+    other = StepRunner(model, cache="dual", max_requests=1, max_seq_len=64)
+    with pytest.raises(MigrationError):
+        other.add(mid_block)
+
+
+def test_bad_input_is_rejected_without_harming_others(model):
+    mask = model.config.mask_token_id
+    runner = StepRunner(model, cache="dual", max_requests=2, max_seq_len=40)
+    runner.add(RequestState.new("ok", [1, 2], BLOCK, block_length=BLOCK, mask_token_id=mask))
+    before = runner.state("ok")
+    out = [mask] * BLOCK
+    bad = [
+        RequestState("x", [1, 2], [mask] * 5, BLOCK, mask),
+        RequestState("x", [], out, BLOCK, mask),
+        RequestState("x", [mask], out, BLOCK, mask),
+        RequestState("x", [model.config.vocab_size], out, BLOCK, mask),
+        RequestState("x", [1] * 40, out, BLOCK, mask),
+        RequestState("x", [1], out, BLOCK, mask + 1),
+        RequestState("ok", [1], out, BLOCK, mask),
+    ]
+    for state in bad:
+        with pytest.raises(InvalidRequestError):
+            runner.add(state)
+    with pytest.raises(UnknownRequestError):
+        runner.step([("nope", 0.5)])
+    with pytest.raises(ValueError, match="twice"):
+        runner.step([("ok", 0.5), ("ok", 0.5)])
+    with pytest.raises(ValueError, match="outside"):
+        runner.step([("ok", 1.5)])
+    with pytest.raises(ValueError):
+        runner.step([])
+    assert runner.state("ok") == before
+    assert len(runner) == 1
+    result = runner.step([("ok", 0.0)])
+    assert result.outputs[0].done
+    with pytest.raises(ValueError, match="finished"):
+        runner.step([("ok", 0.0)])
+
+
+def test_kv_slots_are_recycled(model):
+    mask = model.config.mask_token_id
+    runner = StepRunner(model, cache="dual", max_requests=1, max_seq_len=64)
+    for _ in range(3):
+        (out,) = generate(runner, [[1, 2, 3]], gen_length=BLOCK, block_length=BLOCK, threshold=0.0)
+        assert out.steps == 1
+    assert runner.pool is not None and runner.pool.free_slots == 1
+    runner.add(RequestState.new("a", [1], BLOCK, block_length=BLOCK, mask_token_id=mask))
+    with pytest.raises(RuntimeError, match="slot"):
+        runner.add(RequestState.new("b", [1], BLOCK, block_length=BLOCK, mask_token_id=mask))
