@@ -3,7 +3,26 @@ switch must be set before any kernel module is imported, hence here."""
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _tiny_checkpoint(tmp_path_factory, family: str):
+    from dilaserve.models.testing import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp(f"tiny_{family}"), family)
+
+
+@pytest.fixture(scope="session")
+def tiny_llada_dir(tmp_path_factory):
+    """A random LLaDA-format checkpoint directory (config, safetensors, tokenizer)."""
+    return _tiny_checkpoint(tmp_path_factory, "llada")
+
+
+@pytest.fixture(scope="session")
+def tiny_dream_dir(tmp_path_factory):
+    """A random Dream-format checkpoint directory (config, safetensors, tokenizer)."""
+    return _tiny_checkpoint(tmp_path_factory, "dream")

@@ -1,0 +1,140 @@
+"""Building blocks shared by every family: RMSNorm, RoPE, SwiGLU, and bidirectional
+attention with the three KV-cache modes of the worker's forward contract."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+if TYPE_CHECKING:
+    from dilaserve.worker.kv_cache import KVCachePool
+
+
+class RMSNorm(nn.Module):
+    """Normalises in float32 and scales in the model dtype, as LLaDA and Qwen2 both do."""
+
+    def __init__(self, size: int, eps: float, bias: bool) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size))
+        self.bias = nn.Parameter(torch.zeros(size)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        out = self.weight * normed
+        return out if self.bias is None else out + self.bias
+
+
+def rope_tables(
+    positions: torch.Tensor, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 cos and sin `[b, 1, n, head_dim]` for per-row absolute `positions` `[b, n]`."""
+    exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32)
+    inv_freq = 1.0 / theta ** (exponents / head_dim)
+    angles = positions.float()[..., None] * inv_freq
+    angles = torch.cat((angles, angles), dim=-1)[:, None]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates `[b, heads, n, head_dim]` in float32 (half-split pairing, as HF Llama/Qwen2)."""
+    xf = x.float()
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, inner: int, bias: bool) -> None:
+        super().__init__()
+        self.gate = nn.Linear(hidden, inner, bias=bias)
+        self.up = nn.Linear(hidden, inner, bias=bias)
+        self.down = nn.Linear(inner, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+@dataclass(frozen=True)
+class CacheAccess:
+    """What a cached forward does with the KV pool: every layer writes the fresh K/V of
+    the valid fed tokens at `positions` of slots `rows`; with `read_len` set, attention
+    then runs over the slots' first `read_len` positions instead of the fed tokens."""
+
+    pool: KVCachePool
+    rows: torch.Tensor
+    positions: torch.Tensor
+    valid: torch.Tensor
+    read_len: int | None
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden, dim = config.hidden_size, config.head_dim
+        self.heads, self.kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, dim
+        self.q = nn.Linear(hidden, self.heads * dim, bias=config.qkv_bias)
+        self.k = nn.Linear(hidden, self.kv_heads * dim, bias=config.qkv_bias)
+        self.v = nn.Linear(hidden, self.kv_heads * dim, bias=config.qkv_bias)
+        self.o = nn.Linear(self.heads * dim, hidden, bias=config.linear_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        key_mask: torch.Tensor,
+        layer: int,
+        cache: CacheAccess | None,
+    ) -> torch.Tensor:
+        """`key_mask` `[b, 1, 1, keys]` is true for keys a row may attend to."""
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if cache is not None:
+            cache.pool.write(layer, cache.rows, cache.positions, cache.valid, k, v)
+            if cache.read_len is not None:
+                k, v = cache.pool.read(layer, cache.rows, cache.read_len)
+                k, v = k.to(q.dtype), v.to(q.dtype)
+        k, v = expand_kv_heads(k, self.heads), expand_kv_heads(v, self.heads)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
+        return self.o(out.transpose(1, 2).reshape(b, n, self.heads * self.head_dim))
+
+
+def expand_kv_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """GQA: KV head j serves query heads `j*g .. j*g+g-1` (`repeat_interleave` order)."""
+    b, kv_heads, n, dim = x.shape
+    if kv_heads == heads:
+        return x
+    groups = heads // kv_heads
+    return x[:, :, None].expand(b, kv_heads, groups, n, dim).reshape(b, heads, n, dim)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_bias)
+        self.attn = Attention(config)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_bias)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, config.linear_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        key_mask: torch.Tensor,
+        layer: int,
+        cache: CacheAccess | None,
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, key_mask, layer, cache)
+        return x + self.mlp(self.mlp_norm(x))
