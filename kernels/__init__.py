@@ -1,9 +1,39 @@
 """Kernels for the worker's hot path, each with a torch reference of identical semantics.
 
-Shipped inside the package as `dilaserve.kernels`. The dispatchers below run the Triton
-kernel on CUDA tensors and the torch reference elsewhere.
+Shipped inside the package as `dilaserve.kernels`. The dispatchers (plain names) run the
+Triton kernel on CUDA tensors when triton is installed and the torch reference elsewhere;
+the `*_reference` and `*_triton` variants are exported for tests and benchmarks.
 """
 
-from .kv_reuse import gather_kv, scatter_kv
+from .backend import KernelInputError, TritonUnavailableError
+from .kv_reuse import (
+    gather_kv,
+    gather_kv_reference,
+    gather_kv_triton,
+    scatter_kv,
+    scatter_kv_reference,
+    scatter_kv_triton,
+)
+from .unmask import (
+    CommitResult,
+    confidence_commit,
+    confidence_commit_reference,
+    confidence_commit_triton,
+    confidence_stats,
+)
 
-__all__ = ["gather_kv", "scatter_kv"]
+__all__ = [
+    "CommitResult",
+    "KernelInputError",
+    "TritonUnavailableError",
+    "confidence_commit",
+    "confidence_commit_reference",
+    "confidence_commit_triton",
+    "confidence_stats",
+    "gather_kv",
+    "gather_kv_reference",
+    "gather_kv_triton",
+    "scatter_kv",
+    "scatter_kv_reference",
+    "scatter_kv_triton",
+]
