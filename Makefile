@@ -2,11 +2,19 @@
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/dilaserve/target
 PYTHON ?= python3
 
-.PHONY: install test test-rust test-python lint bench
+.PHONY: install run test test-rust test-python lint bench
 
 # Editable install with test extras; pip skips what is already installed (torch is large).
 install:
 	$(PYTHON) -m pip install -e '.[test]'
+
+# The main job. Until the HTTP server exists it profiles a small random LLaDA-format
+# checkpoint on this device, which runs the whole worker path (model, runner, kernels).
+RUN_DIR ?= $(HOME)/.cache/dilaserve/run
+run:
+	$(PYTHON) -m pip install -e .
+	$(PYTHON) -c "from dilaserve.models.testing import write_tiny_checkpoint as w; w('$(RUN_DIR)/model', 'llada')"
+	dilaserve profile --model $(RUN_DIR)/model --output $(RUN_DIR)/profile.json
 
 test: install test-rust test-python
 

@@ -46,6 +46,7 @@ def _reference_decode(model, prompt, gen_length, taus):
                 ].float()
             if cfg.logit_shift:
                 logits = torch.cat([logits[:1], logits[:-1]])
+            logits[:, cfg.mask_token_id] = -float("inf")
             probs = torch.softmax(logits[lo:hi], dim=-1)
             conf, x0 = probs.max(dim=-1)
             masked = x[lo:hi] == cfg.mask_token_id
@@ -252,3 +253,19 @@ def test_kv_slots_are_recycled(model):
     runner.add(RequestState.new("a", [1], BLOCK, block_length=BLOCK, mask_token_id=mask))
     with pytest.raises(RuntimeError, match="slot"):
         runner.add(RequestState.new("b", [1], BLOCK, block_length=BLOCK, mask_token_id=mask))
+
+
+def test_mask_token_is_never_committed(model, monkeypatch):
+    original = model.forward
+    mask = model.config.mask_token_id
+
+    def mask_loving(*args, **kw):
+        logits = original(*args, **kw)
+        logits[..., mask] += 100.0
+        return logits
+
+    monkeypatch.setattr(model, "forward", mask_loving)
+    runner = StepRunner(model, cache="dual", max_requests=1, max_seq_len=64)
+    (out,) = generate(runner, [[1, 2, 3]], gen_length=BLOCK, block_length=BLOCK, threshold=0.5)
+    assert mask not in out.output_ids
+    assert out.steps <= BLOCK

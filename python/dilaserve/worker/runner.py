@@ -306,6 +306,8 @@ class StepRunner:
             torch.arange(width, device=self.device)[None, :]
             < torch.tensor(sizes, device=self.device)[:, None]
         )
+        # The mask token is never a prediction: committing it would leave the position masked.
+        logits[..., mask_id] = float("-inf")
         result = confidence_commit(logits, (ids == mask_id) & in_block, tau, ids)
         committed = result.committed.tolist()
         new_ids = ids.tolist()

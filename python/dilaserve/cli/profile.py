@@ -1,0 +1,52 @@
+"""`dilaserve profile`: measure step latency on this device and write the profile JSON."""
+
+from __future__ import annotations
+
+import argparse
+
+from dilaserve.cli.common import add_model_arguments, load_model_from_args
+from dilaserve.profiling import DEFAULT_TOKEN_GRID, ProfileSettings, measure_profile, write_profile
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "profile",
+        help="measure per-step latency (recompute / cache / no-cache) and write a profile",
+        description=(
+            "Time one denoising step of each kind over a grid of batch-token counts on the "
+            "current device, and write the latency-profile JSON that the scheduler loads."
+        ),
+    )
+    add_model_arguments(p)
+    p.add_argument("--output", "-o", default="profile.json", help="profile JSON to write")
+    p.add_argument("--block-length", type=int, default=32)
+    p.add_argument(
+        "--tokens",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=list(DEFAULT_TOKEN_GRID),
+        help="comma-separated batch-token counts to measure",
+    )
+    p.add_argument("--max-request-tokens", type=int, default=512)
+    p.add_argument("--cache-context", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=5)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    model = load_model_from_args(args)
+    settings = ProfileSettings(
+        block_length=args.block_length,
+        token_grid=args.tokens,
+        max_request_tokens=args.max_request_tokens,
+        cache_context=args.cache_context,
+        repeats=args.repeats,
+    )
+    if min(settings.token_grid) <= 0 or settings.repeats <= 0:
+        raise ValueError("--tokens and --repeats must be positive")
+    profile = write_profile(measure_profile(model, settings), args.output)
+    for tp in profile.degrees():
+        for kind in ("no_cache", "recompute", "cache"):
+            points = ", ".join(f"{t}:{s * 1e3:.2f}ms" for t, s in profile.points(tp, kind))
+            print(f"tp={tp} {kind:>9}: {points}")
+    print(f"wrote {args.output}")
+    return 0
