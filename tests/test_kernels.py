@@ -4,6 +4,7 @@ small; on a GPU the same tests run the compiled kernels on CUDA tensors."""
 
 import pytest
 import torch
+
 from dilaserve.kernels import (
     CommitResult,
     KernelInputError,

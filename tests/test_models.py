@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+
 from dilaserve.models import CheckpointError, load_model, load_tokenizer, save_checkpoint
 from dilaserve.models.testing import write_tiny_checkpoint
 from dilaserve.worker.kv_cache import KVCachePool
-from safetensors.torch import load_file, save_file
 
 # ---------------------------------------------------------------------------------------
 # Independent reference: the published architectures written out from the checkpoint's

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from dilaserve.models import load_model
 from dilaserve.worker.generate import generate
 from dilaserve.worker.runner import MigrationError, StepRunner, UnknownRequestError

@@ -1,6 +1,7 @@
 """Token-state bookkeeping: blocks, completion, EOS stopping, wire round trip."""
 
 import pytest
+
 from dilaserve.worker.state import CacheMode, InvalidRequestError, RequestState, StepKind
 
 M = 99

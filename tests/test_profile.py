@@ -1,0 +1,105 @@
+"""`dilaserve profile` and the Rust latency-profile type seen from Python."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dilaserve import LatencyProfile, LatencyProfileError
+from dilaserve.cli import main
+
+
+def test_profile_command_writes_a_loadable_profile(tiny_llada_dir, tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    code = main(
+        [
+            "profile",
+            "--model",
+            str(tiny_llada_dir),
+            "--output",
+            str(out),
+            "--tokens",
+            "16,48",
+            "--block-length",
+            "8",
+            "--cache-context",
+            "24",
+            "--repeats",
+            "1",
+        ]
+    )
+    assert code == 0
+    profile = LatencyProfile.load(str(out))
+    assert profile.degrees() == [1]
+    assert profile.block_length == 8
+    assert profile.device == "cpu"
+    assert [t for t, _ in profile.points(1, "no_cache")] == [16, 48]
+    assert [t for t, _ in profile.points(1, "recompute")] == [16, 48]
+    assert [t for t, _ in profile.points(1, "cache")] == [16, 48]
+    for kind in ("no_cache", "recompute", "cache"):
+        assert all(s > 0 for _, s in profile.points(1, kind))
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_profile_command_rejects_bad_grid(tiny_llada_dir, tmp_path, capsys):
+    code = main(["profile", "--model", str(tiny_llada_dir), "--tokens", "0,8"])
+    assert code == 2
+    assert "positive" in capsys.readouterr().err
+
+
+def test_profile_command_names_a_missing_checkpoint(tmp_path, capsys):
+    code = main(["profile", "--model", str(tmp_path / "nowhere")])
+    assert code == 2
+    assert "config.json" in capsys.readouterr().err
+
+
+def _profile_json(tables):
+    return json.dumps({"version": 1, "tables": tables})
+
+
+def test_latency_interpolates_and_extrapolates():
+    p = LatencyProfile.from_json(
+        _profile_json([{"tp": 1, "kind": "cache", "points": [[32, 0.01], [64, 0.02]]}])
+    )
+    assert p.latency(1, "cache", 48) == pytest.approx(0.015)
+    assert p.latency(1, "cache", 8) == pytest.approx(0.01)
+    assert p.latency(1, "cache", 96) == pytest.approx(0.03)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("{", "JSON"),
+        (_profile_json([{"tp": 1, "kind": "warp", "points": [[1, 0.1]]}]), "warp"),
+        (_profile_json([{"tp": 1, "kind": "cache", "points": []}]), "no points"),
+        (_profile_json([{"tp": 1, "kind": "cache", "points": [[4, 0.1], [2, 0.2]]}]), "invalid"),
+        (json.dumps({"version": 7, "tables": []}), "version"),
+    ],
+)
+def test_malformed_profiles_raise(text, message):
+    with pytest.raises(LatencyProfileError, match=message):
+        LatencyProfile.from_json(text)
+
+
+def test_missing_degree_or_kind_raises():
+    p = LatencyProfile.from_tables([(1, "cache", [(32, 0.01)])])
+    with pytest.raises(LatencyProfileError, match="no TP degree 2"):
+        p.latency(2, "cache", 10)
+    with pytest.raises(LatencyProfileError, match="no recompute table"):
+        p.latency(1, "recompute", 10)
+    with pytest.raises(OSError):
+        LatencyProfile.load("/nonexistent/profile.json")
+
+
+def test_every_subcommand_has_help(capsys):
+    from dilaserve.cli import COMMANDS, build_parser
+
+    parser = build_parser()
+    names = [a for a in parser._subparsers._group_actions[0].choices]  # noqa: SLF001
+    assert len(names) == len(COMMANDS)
+    for name in names:
+        with pytest.raises(SystemExit) as exc:
+            main([name, "--help"])
+        assert exc.value.code == 0
+        assert "usage: dilaserve " + name in capsys.readouterr().out
