@@ -1,5 +1,6 @@
 """Shared fixtures. Triton kernels run in the numpy interpreter when no GPU is present; the
-switch must be set before any kernel module is imported, hence here."""
+switch must be set before any kernel module is imported, hence here. Test tensors are tiny,
+so one intra-op thread is fastest and keeps results independent of the machine's load."""
 
 import os
 
@@ -8,6 +9,7 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+torch.set_num_threads(1)
 
 
 def _tiny_checkpoint(tmp_path_factory, family: str):

@@ -9,14 +9,14 @@ from .config import Family, ModelConfig
 from .dream import DREAM
 from .errors import CheckpointError
 from .llada import LLADA
-from .model import CacheMode, DiffusionLM
+from .model import CacheAccessMode, DiffusionLM
 from .tokenizer import load_tokenizer
 
 __all__ = [
     "DREAM",
     "FAMILIES",
     "LLADA",
-    "CacheMode",
+    "CacheAccessMode",
     "CheckpointError",
     "DiffusionLM",
     "Family",

@@ -18,7 +18,8 @@ from .layers import CacheAccess, DecoderLayer, RMSNorm, rope_tables
 if TYPE_CHECKING:
     from dilaserve.worker.kv_cache import KVCachePool
 
-CacheMode = Literal["off", "write", "read"]
+# How one forward uses the KV pool (the runner's cache policy is `worker.state.CacheMode`).
+CacheAccessMode = Literal["off", "write", "read"]
 
 
 class DiffusionLM(nn.Module):
@@ -53,7 +54,7 @@ class DiffusionLM(nn.Module):
         logits_index: torch.Tensor | None = None,
         cache: KVCachePool | None = None,
         cache_rows: torch.Tensor | None = None,
-        cache_mode: CacheMode = "off",
+        cache_mode: CacheAccessMode = "off",
         cache_len: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits `[b, m, vocab]` for the fed tokens `input_ids` `[b, n]`.
@@ -96,7 +97,7 @@ class DiffusionLM(nn.Module):
         valid: torch.Tensor,
         cache: KVCachePool | None,
         cache_rows: torch.Tensor | None,
-        cache_mode: CacheMode,
+        cache_mode: CacheAccessMode,
         cache_len: torch.Tensor | None,
     ) -> tuple[CacheAccess | None, torch.Tensor]:
         """The cache access of this forward and the boolean key mask `[b, 1, 1, keys]`."""
