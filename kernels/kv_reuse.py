@@ -78,7 +78,8 @@ def scatter_kv_reference(
 def gather_kv_reference(cache: torch.Tensor, rows: torch.Tensor, length: int) -> torch.Tensor:
     """cache[rows, :, :length, :] (torch)."""
     _check_gather(cache, rows, length)
-    return cache.index_select(0, rows)[:, :, :length, :]
+    # Narrow first: copying whole slots would cost max_len, not length, per row.
+    return cache[:, :, :length, :].index_select(0, rows)
 
 
 if triton is not None:
