@@ -3,6 +3,7 @@
 //! bindings are compiled only with the `python` feature, which maturin turns on.
 
 pub mod profile;
+pub mod scheduler;
 
 #[cfg(feature = "python")]
 mod bindings;

@@ -1,0 +1,168 @@
+//! Step costs of one TP degree, read from the latency profile (DESIGN §2, §5).
+//!
+//! Measured tables can dip where a larger batch happened to run faster; the scheduler uses
+//! their running maximum so that cost never decreases with batch tokens *(ours)*. That keeps
+//! "earliest predicted completion" equal to "fewest batch tokens" within one degree, which is
+//! what lets instance choice use a heap instead of scanning every instance.
+
+use crate::profile::{LatencyProfile, LatencyTable, ProfileError, StepKind};
+
+/// Non-decreasing step-latency tables of one TP degree.
+#[derive(Clone, Debug)]
+pub struct DegreeCosts {
+    pub tp: u32,
+    /// Full-sequence steps: recompute steps with caching, no-cache steps without.
+    full: LatencyTable,
+    /// Block-only steps; present only with caching.
+    cache: Option<LatencyTable>,
+    /// Full-sequence tokens per second at the best batch size within the budget
+    /// (no caching only; with caching throughput depends on sequence lengths).
+    full_throughput: f64,
+}
+
+fn monotone_table(
+    profile: &LatencyProfile,
+    tp: u32,
+    kind: StepKind,
+) -> Result<LatencyTable, ProfileError> {
+    let mut worst = 0.0f64;
+    let points: Vec<(u64, f64)> = profile
+        .table(tp, kind)?
+        .points()
+        .map(|(tokens, secs)| {
+            worst = worst.max(secs);
+            (tokens, worst)
+        })
+        .collect();
+    let clean = LatencyProfile::from_tables([(tp, kind, points)])?;
+    Ok(clean.table(tp, kind)?.clone())
+}
+
+impl DegreeCosts {
+    pub fn new(
+        profile: &LatencyProfile,
+        tp: u32,
+        caching: bool,
+        max_batch_tokens: u64,
+    ) -> Result<Self, ProfileError> {
+        let (full, cache) = if caching {
+            (
+                monotone_table(profile, tp, StepKind::Recompute)?,
+                Some(monotone_table(profile, tp, StepKind::Cache)?),
+            )
+        } else {
+            (monotone_table(profile, tp, StepKind::NoCache)?, None)
+        };
+        let budget = max_batch_tokens as f64;
+        let full_throughput = full
+            .points()
+            .map(|(tokens, _)| tokens as f64)
+            .filter(|&tokens| tokens <= budget)
+            .chain([budget])
+            .map(|tokens| tokens / full.latency(tokens))
+            .fold(0.0, f64::max);
+        Ok(Self {
+            tp,
+            full,
+            cache,
+            full_throughput,
+        })
+    }
+
+    /// Seconds of a full-sequence step over `tokens` batch tokens.
+    pub fn full(&self, tokens: f64) -> f64 {
+        self.full.latency(tokens)
+    }
+
+    /// Seconds of a cache step over `tokens` batch tokens (full-step cost without caching).
+    pub fn cache(&self, tokens: f64) -> f64 {
+        match &self.cache {
+            Some(t) => t.latency(tokens),
+            None => self.full.latency(tokens),
+        }
+    }
+
+    /// Seconds of a batch holding `full_tokens` full-sequence and `cache_tokens` cache-step
+    /// tokens: the two shapes run as separate forwards.
+    pub fn batch(&self, full_tokens: u64, cache_tokens: u64) -> f64 {
+        let mut secs = 0.0;
+        if full_tokens > 0 {
+            secs += self.full(full_tokens as f64);
+        }
+        if cache_tokens > 0 {
+            secs += self.cache(cache_tokens as f64);
+        }
+        secs
+    }
+
+    /// Load tokens (DESIGN §5 units) one instance processes per second.
+    ///
+    /// Without caching: the best `b / LP(b)` within the batch budget. With caching, the
+    /// per-block mix of DESIGN §5: `max_seqs` requests of `mean_seq_tokens` each run
+    /// `B − 1` cache steps and one recompute step per block.
+    pub fn throughput(&self, mean_seq_tokens: f64, block: u32, max_batch_tokens: u64) -> f64 {
+        let Some(cache) = &self.cache else {
+            return self.full_throughput;
+        };
+        let b = f64::from(block);
+        let seq = mean_seq_tokens.max(1.0);
+        let max_seqs = (max_batch_tokens as f64 / seq).floor().max(1.0);
+        let tokens = b * max_seqs * (b - 1.0) + max_seqs * seq;
+        let secs = cache.latency(b * max_seqs) * (b - 1.0) + self.full(max_seqs * seq);
+        tokens / secs
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn profile() -> LatencyProfile {
+        LatencyProfile::from_tables([
+            (1, StepKind::NoCache, vec![(100, 0.010), (200, 0.009), (400, 0.030)]),
+            (1, StepKind::Recompute, vec![(100, 0.010), (1000, 0.050)]),
+            (1, StepKind::Cache, vec![(32, 0.002), (320, 0.004)]),
+        ])
+        .unwrap()
+    }
+
+    #[test]
+    fn dips_are_flattened() {
+        let c = DegreeCosts::new(&profile(), 1, false, 400).unwrap();
+        assert_eq!(c.full(200.0), 0.010);
+        assert_eq!(c.full(150.0), 0.010);
+        assert!((c.full(300.0) - 0.020).abs() < 1e-12);
+        let xs: Vec<f64> = (1..60).map(|i| f64::from(i) * 10.0).collect();
+        assert!(xs.windows(2).all(|w| c.full(w[0]) <= c.full(w[1])));
+    }
+
+    #[test]
+    fn throughput_without_caching_is_best_point_within_budget() {
+        let c = DegreeCosts::new(&profile(), 1, false, 400).unwrap();
+        // 100/0.01 = 10k, 200/0.01 = 20k, 400/0.03 = 13.3k tokens/s.
+        assert!((c.throughput(0.0, 32, 400) - 20_000.0).abs() < 1e-6);
+        let small = DegreeCosts::new(&profile(), 1, false, 150).unwrap();
+        assert!((small.throughput(0.0, 32, 150) - 15_000.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn throughput_with_caching_mixes_block_steps() {
+        let c = DegreeCosts::new(&profile(), 1, true, 1000).unwrap();
+        // mean sequence 500 -> 2 sequences; 31 cache steps of 64 tokens + 1 recompute of 1000.
+        let expected = (32.0 * 2.0 * 31.0 + 1000.0) / (c.cache(64.0) * 31.0 + c.full(1000.0));
+        assert_eq!(c.throughput(500.0, 32, 1000), expected);
+        assert_eq!(c.batch(1000, 64), c.full(1000.0) + c.cache(64.0));
+        assert_eq!(c.batch(0, 0), 0.0);
+    }
+
+    #[test]
+    fn missing_tables_are_profile_errors() {
+        assert!(matches!(
+            DegreeCosts::new(&profile(), 2, true, 100),
+            Err(ProfileError::MissingDegree { tp: 2, .. })
+        ));
+        let only_nocache =
+            LatencyProfile::from_tables([(1, StepKind::NoCache, vec![(1, 0.1)])]).unwrap();
+        assert!(DegreeCosts::new(&only_nocache, 1, true, 100).is_err());
+    }
+}

@@ -1,0 +1,138 @@
+//! What one scheduling round decides: per instance the next batch, every migration with its
+//! reason, and why each ready request that was not dispatched is waiting. Stored flat and
+//! reused between rounds.
+
+use crate::profile::StepKind;
+
+/// One request's next step in a batch.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BatchEntry {
+    pub request: u64,
+    pub tau: f64,
+    pub kind: StepKind,
+    /// The instance does not hold this request's token state yet (arrival or migration):
+    /// the step command must carry it.
+    pub new_here: bool,
+}
+
+/// The next batch of one instance: `entries[start..start + len]` of [`Decisions`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Batch {
+    pub instance: u64,
+    pub start: usize,
+    pub len: usize,
+    pub tokens: u64,
+    /// Predicted end of the step (profile × the instance's measured correction).
+    pub predicted_finish: f64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MigrationReason {
+    /// Another instance completes the step earlier (or is less loaded, for the baselines).
+    Rebalance,
+    /// The request's instance is running another step.
+    HomeBusy,
+    /// The request's instance has no batch-token room left.
+    HomeFull,
+    /// The request's instance is draining.
+    Draining,
+    /// The request's instance was removed; its state moves from the engine's copy.
+    InstanceRemoved,
+}
+
+impl MigrationReason {
+    pub const ALL: [MigrationReason; 5] = [
+        MigrationReason::Rebalance,
+        MigrationReason::HomeBusy,
+        MigrationReason::HomeFull,
+        MigrationReason::Draining,
+        MigrationReason::InstanceRemoved,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MigrationReason::Rebalance => "rebalance",
+            MigrationReason::HomeBusy => "home_busy",
+            MigrationReason::HomeFull => "home_full",
+            MigrationReason::Draining => "draining",
+            MigrationReason::InstanceRemoved => "instance_removed",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Migration {
+    pub request: u64,
+    pub from: u64,
+    pub to: u64,
+    pub reason: MigrationReason,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WaitReason {
+    /// No instance accepts new work (none, or all draining).
+    NoInstance,
+    /// Every accepting instance is running a step.
+    AllBusy,
+    /// No idle instance has batch-token room for this request.
+    NoRoom,
+    /// The request must stay on its instance (cache step, or no migration), which is busy.
+    HomeBusy,
+    /// The request must stay on its instance, which has no batch-token room left.
+    HomeFull,
+}
+
+impl WaitReason {
+    pub const ALL: [WaitReason; 5] = [
+        WaitReason::NoInstance,
+        WaitReason::AllBusy,
+        WaitReason::NoRoom,
+        WaitReason::HomeBusy,
+        WaitReason::HomeFull,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WaitReason::NoInstance => "no_instance",
+            WaitReason::AllBusy => "all_busy",
+            WaitReason::NoRoom => "no_room",
+            WaitReason::HomeBusy => "home_busy",
+            WaitReason::HomeFull => "home_full",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Waiting {
+    pub request: u64,
+    pub reason: WaitReason,
+}
+
+/// Result of [`super::Scheduler::schedule`].
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Decisions {
+    pub now: f64,
+    /// One per instance that runs a step, in instance announcement order.
+    pub batches: Vec<Batch>,
+    /// Entries of every batch, grouped by batch.
+    pub entries: Vec<BatchEntry>,
+    pub migrations: Vec<Migration>,
+    pub waiting: Vec<Waiting>,
+    /// Wall time the round took inside the scheduler.
+    pub elapsed_s: f64,
+}
+
+impl Decisions {
+    pub fn entries_of(&self, batch: &Batch) -> &[BatchEntry] {
+        &self.entries[batch.start..batch.start + batch.len]
+    }
+
+    pub(crate) fn clear(&mut self, now: f64) {
+        self.now = now;
+        self.batches.clear();
+        self.entries.clear();
+        self.migrations.clear();
+        self.waiting.clear();
+        self.elapsed_s = 0.0;
+    }
+}

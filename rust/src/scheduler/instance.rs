@@ -1,0 +1,212 @@
+//! Instance state: identity and placement, the batch in flight, the requests it holds, and
+//! a measured-over-predicted step-time factor that corrects the profile online.
+
+use std::collections::HashMap;
+
+use super::error::SchedError;
+
+/// A serving instance as the cluster manager announces it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InstanceSpec {
+    pub id: u64,
+    /// Tensor-parallel degree; equals the number of GPUs.
+    pub tp: u32,
+    pub gpus: Vec<u32>,
+    pub node: u32,
+}
+
+/// Weight of the newest measured/predicted ratio in the step-time factor.
+const FACTOR_WEIGHT: f64 = 0.2;
+/// A single step can move the factor by at most this ratio either way.
+const FACTOR_CLAMP: f64 = 4.0;
+
+#[derive(Clone, Debug)]
+pub(crate) struct Instance {
+    pub id: u64,
+    pub tp: u32,
+    pub gpus: Vec<u32>,
+    pub node: u32,
+    /// Index of this degree's step costs.
+    pub group: usize,
+    pub alive: bool,
+    pub draining: bool,
+    /// Request slots of the step in flight (dead ones were cancelled meanwhile).
+    pub inflight: Vec<u32>,
+    pub busy: bool,
+    pub inflight_tokens: u64,
+    pub started_at: f64,
+    /// Profile prediction of the step in flight, before the factor.
+    pub predicted_s: f64,
+    /// Requests whose state (and cache) this instance holds, and their sequence tokens.
+    pub residents: u32,
+    pub resident_tokens: u64,
+    /// Exponential average of measured / predicted step time.
+    pub factor: f64,
+    pub steps_run: u64,
+    pub last_step_s: f64,
+}
+
+impl Instance {
+    pub fn predicted_finish(&self) -> f64 {
+        self.started_at + self.predicted_s * self.factor
+    }
+
+    /// Folds one measured step time into the correction factor.
+    pub fn observe_step(&mut self, measured_s: f64) {
+        if self.predicted_s > 0.0 {
+            let ratio = (measured_s / self.predicted_s).clamp(1.0 / FACTOR_CLAMP, FACTOR_CLAMP);
+            self.factor = (1.0 - FACTOR_WEIGHT) * self.factor + FACTOR_WEIGHT * ratio;
+        }
+        self.last_step_s = measured_s;
+        self.steps_run += 1;
+    }
+
+    pub fn add_resident(&mut self, seq_tokens: u64) {
+        self.residents += 1;
+        self.resident_tokens += seq_tokens;
+    }
+
+    pub fn drop_resident(&mut self, seq_tokens: u64) {
+        self.residents -= 1;
+        self.resident_tokens -= seq_tokens;
+    }
+}
+
+/// Instances by slot; slots of removed instances are never reused, so slot order is
+/// announcement order and ties break the same way in every run.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct InstanceTable {
+    pub slots: Vec<Instance>,
+    index: HashMap<u64, u32>,
+    gpus_held: HashMap<(u32, u32), u64>,
+}
+
+impl InstanceTable {
+    pub fn slot_of(&self, id: u64) -> Result<u32, SchedError> {
+        self.index
+            .get(&id)
+            .copied()
+            .ok_or(SchedError::UnknownInstance(id))
+    }
+
+    /// Checks a spec: unique id, one distinct free GPU per TP rank.
+    pub fn validate(&self, spec: &InstanceSpec) -> Result<(), SchedError> {
+        let invalid = |reason: String| SchedError::InvalidInstance {
+            id: spec.id,
+            reason,
+        };
+        if self.index.contains_key(&spec.id) {
+            return Err(SchedError::DuplicateInstance(spec.id));
+        }
+        if spec.tp == 0 {
+            return Err(invalid("TP degree must be at least 1".into()));
+        }
+        if spec.gpus.len() != spec.tp as usize {
+            return Err(invalid(format!(
+                "TP degree {} needs {} GPUs, got {:?}",
+                spec.tp, spec.tp, spec.gpus
+            )));
+        }
+        for (i, gpu) in spec.gpus.iter().enumerate() {
+            if spec.gpus[..i].contains(gpu) {
+                return Err(invalid(format!("GPU {gpu} is listed twice")));
+            }
+            if let Some(&holder) = self.gpus_held.get(&(spec.node, *gpu)) {
+                return Err(SchedError::GpuInUse {
+                    id: spec.id,
+                    node: spec.node,
+                    gpu: *gpu,
+                    holder,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Adds a validated instance in degree group `group`.
+    pub fn insert(&mut self, spec: InstanceSpec, group: usize) -> u32 {
+        let slot = self.slots.len() as u32;
+        for &gpu in &spec.gpus {
+            self.gpus_held.insert((spec.node, gpu), spec.id);
+        }
+        self.index.insert(spec.id, slot);
+        self.slots.push(Instance {
+            id: spec.id,
+            tp: spec.tp,
+            gpus: spec.gpus,
+            node: spec.node,
+            group,
+            alive: true,
+            draining: false,
+            inflight: Vec::new(),
+            busy: false,
+            inflight_tokens: 0,
+            started_at: 0.0,
+            predicted_s: 0.0,
+            residents: 0,
+            resident_tokens: 0,
+            factor: 1.0,
+            steps_run: 0,
+            last_step_s: 0.0,
+        });
+        slot
+    }
+
+    /// Forgets an instance and frees its GPUs; the caller re-homes its requests.
+    pub fn remove(&mut self, slot: u32) {
+        let inst = &mut self.slots[slot as usize];
+        inst.alive = false;
+        inst.busy = false;
+        inst.residents = 0;
+        inst.resident_tokens = 0;
+        self.index.remove(&inst.id);
+        for gpu in &inst.gpus {
+            self.gpus_held.remove(&(inst.node, *gpu));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(id: u64, tp: u32, gpus: Vec<u32>) -> InstanceSpec {
+        InstanceSpec {
+            id,
+            tp,
+            gpus,
+            node: 0,
+        }
+    }
+
+    #[test]
+    fn validates_gpus() {
+        let mut t = InstanceTable::default();
+        t.validate(&spec(1, 2, vec![0, 1])).unwrap();
+        t.insert(spec(1, 2, vec![0, 1]), 0);
+        assert!(matches!(t.validate(&spec(1, 1, vec![5])), Err(SchedError::DuplicateInstance(1))));
+        assert!(matches!(
+            t.validate(&spec(2, 1, vec![1])),
+            Err(SchedError::GpuInUse { holder: 1, gpu: 1, .. })
+        ));
+        assert!(t.validate(&spec(2, 2, vec![3])).is_err());
+        assert!(t.validate(&spec(2, 2, vec![3, 3])).is_err());
+        assert!(t.validate(&spec(2, 0, vec![])).is_err());
+        t.remove(0);
+        t.validate(&spec(2, 1, vec![1])).unwrap();
+        assert!(t.slot_of(1).is_err());
+    }
+
+    #[test]
+    fn factor_tracks_measured_time() {
+        let mut t = InstanceTable::default();
+        t.insert(spec(1, 1, vec![0]), 0);
+        let inst = &mut t.slots[0];
+        inst.predicted_s = 0.1;
+        inst.observe_step(0.2);
+        assert!((inst.factor - 1.2).abs() < 1e-12);
+        inst.observe_step(100.0);
+        assert!((inst.factor - (0.8 * 1.2 + 0.2 * 4.0)).abs() < 1e-12);
+        assert_eq!(inst.steps_run, 2);
+    }
+}

@@ -1,0 +1,147 @@
+//! Adaptive load control (DESIGN §5, Alg. 2): caps each request's allowed thresholds so the
+//! cluster's worst-case load over one SLO window fits its capacity.
+
+use super::predictor::StepsLeft;
+
+/// Load, in tokens processed, of finishing a request with `steps` remaining.
+///
+/// With caching a cache step processes the block (`block` tokens) and a recompute step the
+/// whole sequence; without caching every step processes the whole sequence.
+pub fn request_load(steps: StepsLeft, seq_tokens: f64, block: f64, caching: bool) -> f64 {
+    if caching {
+        steps.cache * block + steps.recompute * seq_tokens
+    } else {
+        (steps.cache + steps.recompute) * seq_tokens
+    }
+}
+
+/// Reusable scratch for the prefix/suffix pass, so a round does not allocate.
+#[derive(Clone, Debug, Default)]
+pub struct LoadControl {
+    suffix: Vec<f64>,
+}
+
+impl LoadControl {
+    /// Walks `n` requests in order and calls `set_cap(i, k)` with the highest candidate `k`
+    /// kept for request `i`.
+    ///
+    /// `allowed(i)` is request `i`'s non-empty threshold bitmask and `load(i, k)` its load at
+    /// candidate `k`. Request `i` keeps the highest allowed `k` with
+    /// `committed + load(i, k) + Σ_{j>i} load(j, lowest_j) <= capacity`, or its lowest one;
+    /// `committed` sums the loads at the caps already kept. O(n × thresholds).
+    pub fn run(
+        &mut self,
+        n: usize,
+        capacity: f64,
+        allowed: impl Fn(usize) -> u32,
+        load: impl Fn(usize, usize) -> f64,
+        mut set_cap: impl FnMut(usize, usize),
+    ) {
+        self.suffix.clear();
+        self.suffix.resize(n + 1, 0.0);
+        for i in (0..n).rev() {
+            let lowest = allowed(i).trailing_zeros() as usize;
+            self.suffix[i] = self.suffix[i + 1] + load(i, lowest);
+        }
+        let mut committed = 0.0;
+        for i in 0..n {
+            let mask = allowed(i);
+            let lowest = mask.trailing_zeros() as usize;
+            let rest = self.suffix[i + 1];
+            let mut chosen = lowest;
+            let mut higher = mask & !(1u32 << lowest);
+            while higher != 0 {
+                let k = 31 - higher.leading_zeros() as usize;
+                if committed + load(i, k) + rest <= capacity {
+                    chosen = k;
+                    break;
+                }
+                higher &= !(1u32 << k);
+            }
+            committed += load(i, chosen);
+            set_cap(i, chosen);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn run(loads: &[Vec<f64>], masks: &[u32], capacity: f64) -> Vec<usize> {
+        let mut caps = vec![usize::MAX; loads.len()];
+        LoadControl::default().run(
+            loads.len(),
+            capacity,
+            |i| masks[i],
+            |i, k| loads[i][k],
+            |i, k| caps[i] = k,
+        );
+        caps
+    }
+
+    #[test]
+    fn early_requests_keep_high_thresholds_first() {
+        let loads = vec![vec![10.0, 20.0, 40.0]; 3];
+        let masks = [0b111; 3];
+        assert_eq!(run(&loads, &masks, 1000.0), vec![2, 2, 2]);
+        // 40 + 10 + 10 fits 60; then 40 + 40 + 10 > 60 but 40 + 10 + 10 fits.
+        assert_eq!(run(&loads, &masks, 60.0), vec![2, 0, 0]);
+        assert_eq!(run(&loads, &masks, 70.0), vec![2, 1, 0]);
+        assert_eq!(run(&loads, &masks, 5.0), vec![0, 0, 0]);
+        // A request's own allowed set is respected.
+        assert_eq!(run(&loads, &[0b110, 0b111, 0b011], 1000.0), vec![2, 2, 1]);
+    }
+
+    #[test]
+    fn load_units_follow_step_shapes() {
+        let s = StepsLeft {
+            cache: 10.0,
+            recompute: 2.0,
+        };
+        assert_eq!(request_load(s, 400.0, 32.0, true), 10.0 * 32.0 + 2.0 * 400.0);
+        assert_eq!(request_load(s, 400.0, 32.0, false), 12.0 * 400.0);
+    }
+
+    fn case() -> impl Strategy<Value = (Vec<Vec<f64>>, Vec<u32>, f64)> {
+        (1usize..6).prop_flat_map(|k| {
+            let row = prop::collection::vec(0.0f64..1000.0, k);
+            let mask = 1u32..(1u32 << k);
+            (
+                prop::collection::vec((row, mask), 1..40),
+                0.0f64..20_000.0,
+            )
+                .prop_map(|(rows, cap)| {
+                    let (loads, masks) = rows.into_iter().unzip();
+                    (loads, masks, cap)
+                })
+        })
+    }
+
+    proptest! {
+        /// After load control the worst-case load at every request's highest kept threshold
+        /// fits capacity, unless every request is already at its lowest allowed threshold.
+        #[test]
+        fn worst_case_load_fits_capacity((loads, masks, capacity) in case()) {
+            let caps = run(&loads, &masks, capacity);
+            let mut total = 0.0;
+            let mut all_lowest = true;
+            for (i, &k) in caps.iter().enumerate() {
+                prop_assert!(masks[i] & (1 << k) != 0, "cap outside the allowed set");
+                all_lowest &= k == masks[i].trailing_zeros() as usize;
+                total += loads[i][k];
+            }
+            prop_assert!(all_lowest || total <= capacity * (1.0 + 1e-9) + 1e-9,
+                "total {total} > capacity {capacity}");
+        }
+
+        /// More capacity never lowers the first request's cap.
+        #[test]
+        fn more_capacity_never_hurts_the_first((loads, masks, capacity) in case(), extra in 0.0f64..5000.0) {
+            let a = run(&loads, &masks, capacity);
+            let b = run(&loads, &masks, capacity + extra);
+            prop_assert!(a[0] <= b[0]);
+        }
+    }
+}

@@ -1,0 +1,210 @@
+//! The step-level scheduler (DESIGN §2, §4–§6, §8) as a plain Rust library.
+//!
+//! Events ([`Scheduler::arrive`], [`Scheduler::step_done`], [`Scheduler::cancel`], instance
+//! add / drain / remove) update request and instance state; [`Scheduler::schedule`] runs one
+//! round — load control, instance choice, threshold choice — and returns the next batch of
+//! every idle instance, every migration and why each undispatched ready request waits.
+//! The same inputs always give the same decisions.
+
+mod config;
+mod cost;
+mod decisions;
+mod error;
+mod events;
+mod instance;
+mod load_control;
+mod placement;
+mod predictor;
+mod request;
+mod round;
+mod threshold;
+
+#[cfg(test)]
+mod proptests;
+#[cfg(test)]
+mod tests;
+
+pub use config::{
+    InstanceChoice, LoadOrder, Policy, Prediction, SchedulerConfig, ThresholdPolicy, MAX_THRESHOLDS,
+};
+pub use cost::DegreeCosts;
+pub use decisions::{Batch, BatchEntry, Decisions, Migration, MigrationReason, WaitReason, Waiting};
+pub use error::SchedError;
+pub use events::StepResult;
+pub use instance::InstanceSpec;
+pub use load_control::{request_load, LoadControl};
+pub use predictor::{MeanRatePredictor, RequestView, StepPredictor, StepsLeft};
+pub use request::RequestSpec;
+pub use threshold::{choose_threshold, StepPrices};
+
+use crate::profile::{LatencyProfile, StepKind};
+use instance::InstanceTable;
+use request::RequestTable;
+use round::RoundScratch;
+
+/// A request's state as seen from outside.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RequestInfo {
+    pub id: u64,
+    pub arrival: f64,
+    pub deadline: f64,
+    pub priority: i32,
+    pub prompt_len: u32,
+    /// Output positions, padded to whole blocks.
+    pub output_len: u32,
+    pub block_size: u32,
+    pub steps_done: u32,
+    pub unmasked: u32,
+    pub unmasked_in_block: u32,
+    pub current_block: u32,
+    pub instance: Option<u64>,
+    pub next_kind: StepKind,
+    pub in_flight: bool,
+    /// Thresholds the request accepts, ascending.
+    pub allowed: Vec<f64>,
+    /// Highest threshold load control currently leaves it.
+    pub max_tau: f64,
+    /// Threshold of the last dispatched step.
+    pub last_tau: Option<f64>,
+    /// Remaining-step predictions, one per candidate threshold.
+    pub predictions: Vec<StepsLeft>,
+}
+
+/// An instance's state as seen from outside.
+#[derive(Clone, Debug, PartialEq)]
+pub struct InstanceInfo {
+    pub id: u64,
+    pub tp: u32,
+    pub gpus: Vec<u32>,
+    pub node: u32,
+    pub draining: bool,
+    /// Requests of the step in flight (empty when idle).
+    pub batch: Vec<u64>,
+    pub batch_tokens: u64,
+    pub predicted_finish: Option<f64>,
+    /// Requests whose state this instance holds.
+    pub residents: u32,
+    pub resident_tokens: u64,
+    /// Measured / predicted step-time correction.
+    pub factor: f64,
+    pub steps_run: u64,
+}
+
+pub struct Scheduler {
+    config: SchedulerConfig,
+    profile: LatencyProfile,
+    predictor: Box<dyn StepPredictor>,
+    requests: RequestTable,
+    instances: InstanceTable,
+    /// Step costs per TP degree in use; instances refer to them by index.
+    groups: Vec<DegreeCosts>,
+    scratch: RoundScratch,
+    decisions: Decisions,
+}
+
+impl Scheduler {
+    /// A scheduler with the default mean-rate predictor.
+    pub fn new(profile: LatencyProfile, config: SchedulerConfig) -> Result<Self, SchedError> {
+        Self::with_predictor(profile, config, Box::new(MeanRatePredictor::default()))
+    }
+
+    pub fn with_predictor(
+        profile: LatencyProfile,
+        config: SchedulerConfig,
+        predictor: Box<dyn StepPredictor>,
+    ) -> Result<Self, SchedError> {
+        let config = config.validated()?;
+        Ok(Self {
+            requests: RequestTable::new(config.thresholds.len()),
+            config,
+            profile,
+            predictor,
+            instances: InstanceTable::default(),
+            groups: Vec::new(),
+            scratch: RoundScratch::default(),
+            decisions: Decisions::default(),
+        })
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    pub fn profile(&self) -> &LatencyProfile {
+        &self.profile
+    }
+
+    /// Requests that arrived and have neither finished nor been cancelled.
+    pub fn active_requests(&self) -> usize {
+        self.requests.live()
+    }
+
+    /// Ids of live instances in announcement order.
+    pub fn instance_ids(&self) -> Vec<u64> {
+        self.instances
+            .slots
+            .iter()
+            .filter(|i| i.alive)
+            .map(|i| i.id)
+            .collect()
+    }
+
+    /// Decisions of the last round.
+    pub fn last_decisions(&self) -> &Decisions {
+        &self.decisions
+    }
+
+    pub fn request(&self, id: u64) -> Result<RequestInfo, SchedError> {
+        let slot = self.requests.slot_of(id)?;
+        let r = &self.requests.slots[slot as usize];
+        let taus = &self.config.thresholds;
+        Ok(RequestInfo {
+            id,
+            arrival: r.arrival,
+            deadline: r.deadline,
+            priority: r.priority,
+            prompt_len: r.prompt_len,
+            output_len: r.output_len,
+            block_size: r.block_size,
+            steps_done: r.steps_done,
+            unmasked: r.unmasked,
+            unmasked_in_block: r.unmasked_in_block,
+            current_block: r.current_block,
+            instance: r.home.map(|h| self.instances.slots[h as usize].id),
+            next_kind: r.next_kind,
+            in_flight: r.in_flight,
+            allowed: (0..taus.len())
+                .filter(|k| r.allowed & (1 << k) != 0)
+                .map(|k| taus[k])
+                .collect(),
+            max_tau: taus[self.requests.caps[slot as usize] as usize],
+            last_tau: (!r.tau.is_nan()).then_some(r.tau),
+            predictions: self.requests.steps_of(slot).to_vec(),
+        })
+    }
+
+    pub fn instance(&self, id: u64) -> Result<InstanceInfo, SchedError> {
+        let inst = &self.instances.slots[self.instances.slot_of(id)? as usize];
+        let requests = &self.requests.slots;
+        Ok(InstanceInfo {
+            id,
+            tp: inst.tp,
+            gpus: inst.gpus.clone(),
+            node: inst.node,
+            draining: inst.draining,
+            batch: inst
+                .inflight
+                .iter()
+                .map(|&s| &requests[s as usize])
+                .filter(|r| r.alive)
+                .map(|r| r.id)
+                .collect(),
+            batch_tokens: if inst.busy { inst.inflight_tokens } else { 0 },
+            predicted_finish: inst.busy.then(|| inst.predicted_finish()),
+            residents: inst.residents,
+            resident_tokens: inst.resident_tokens,
+            factor: inst.factor,
+            steps_run: inst.steps_run,
+        })
+    }
+}

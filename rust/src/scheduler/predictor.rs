@@ -1,0 +1,202 @@
+//! Remaining-step predictions (DESIGN §3). The scheduler only sees the [`StepPredictor`]
+//! trait, so the learned predictor can replace the default without touching the policies.
+
+use super::error::SchedError;
+
+/// What a predictor sees of one request.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RequestView {
+    pub prompt_len: u32,
+    /// Output positions, a whole number of blocks.
+    pub output_len: u32,
+    pub block_size: u32,
+    pub steps_done: u32,
+    pub unmasked: u32,
+    pub unmasked_in_block: u32,
+    pub current_block: u32,
+    /// The next step runs over the full sequence (a block's first step, or the cache was lost).
+    pub needs_recompute: bool,
+    /// Confidence of the still-masked output tokens at the last step:
+    /// min, q25, median, mean, q75.
+    pub confidence: Option<[f64; 5]>,
+}
+
+impl RequestView {
+    /// Blocks after the current one.
+    pub fn future_blocks(&self) -> u32 {
+        (self.output_len / self.block_size).saturating_sub(self.current_block + 1)
+    }
+}
+
+/// Predicted remaining steps of a request at one threshold, by kind.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepsLeft {
+    /// Steps over the block only (cache steps when caching is on).
+    pub cache: f64,
+    /// Steps over the full sequence (one per remaining block, plus a lost cache).
+    pub recompute: f64,
+}
+
+impl StepsLeft {
+    pub fn total(&self) -> f64 {
+        self.cache + self.recompute
+    }
+}
+
+/// Predicts remaining steps of requests at every candidate threshold.
+pub trait StepPredictor: Send + Sync {
+    /// Fills `out[k]` with the prediction at `thresholds[k]`.
+    fn predict(&self, request: &RequestView, thresholds: &[f64], out: &mut [StepsLeft]);
+
+    /// Batched form: `out` holds `thresholds.len()` entries per request, request-major.
+    /// Learned predictors override this to evaluate requests × thresholds in one call.
+    fn predict_batch(&self, requests: &[RequestView], thresholds: &[f64], out: &mut [StepsLeft]) {
+        for (request, row) in requests.iter().zip(out.chunks_exact_mut(thresholds.len())) {
+            self.predict(request, thresholds, row);
+        }
+    }
+}
+
+/// Default predictor: each threshold commits a fixed mean number of tokens per step,
+/// so a block with `m` masked tokens needs `ceil(m / rate)` more steps.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MeanRatePredictor {
+    taus: Vec<f64>,
+    rates: Vec<f64>,
+}
+
+impl MeanRatePredictor {
+    /// Fast-dLLM's measured mean tokens per step on GSM8K (DESIGN §9).
+    pub const FAST_DLLM_GSM8K: [(f64, f64); 6] = [
+        (0.5, 7.01),
+        (0.6, 6.17),
+        (0.7, 5.12),
+        (0.8, 4.24),
+        (0.9, 3.25),
+        (1.0, 1.0),
+    ];
+
+    /// `points` are `(threshold, mean tokens per step)`; rates between points are linear
+    /// in the threshold and clamp outside them.
+    pub fn new(points: &[(f64, f64)]) -> Result<Self, SchedError> {
+        if points.is_empty() {
+            return Err(SchedError::Config(
+                "mean-rate predictor needs at least one (threshold, tokens per step) point".into(),
+            ));
+        }
+        let mut sorted = points.to_vec();
+        sorted.sort_by(|a, b| a.0.total_cmp(&b.0));
+        for (i, &(tau, rate)) in sorted.iter().enumerate() {
+            let increasing = i == 0 || tau > sorted[i - 1].0;
+            if !(tau > 0.0 && tau <= 1.0 && increasing && rate.is_finite() && rate >= 1.0) {
+                return Err(SchedError::Config(format!(
+                    "mean-rate point ({tau}, {rate}) is invalid: thresholds must be distinct \
+                     in (0, 1] and rates finite and at least 1 token per step"
+                )));
+            }
+        }
+        Ok(Self {
+            taus: sorted.iter().map(|p| p.0).collect(),
+            rates: sorted.iter().map(|p| p.1).collect(),
+        })
+    }
+
+    /// Mean tokens committed per step at threshold `tau`.
+    pub fn rate(&self, tau: f64) -> f64 {
+        let n = self.taus.len();
+        if tau <= self.taus[0] {
+            return self.rates[0];
+        }
+        if tau >= self.taus[n - 1] {
+            return self.rates[n - 1];
+        }
+        let hi = self.taus.partition_point(|&t| t < tau);
+        let lo = hi - 1;
+        let w = (tau - self.taus[lo]) / (self.taus[hi] - self.taus[lo]);
+        self.rates[lo] + w * (self.rates[hi] - self.rates[lo])
+    }
+}
+
+impl Default for MeanRatePredictor {
+    fn default() -> Self {
+        Self::new(&Self::FAST_DLLM_GSM8K).expect("built-in rates are valid")
+    }
+}
+
+impl StepPredictor for MeanRatePredictor {
+    fn predict(&self, r: &RequestView, thresholds: &[f64], out: &mut [StepsLeft]) {
+        let masked = f64::from(r.block_size - r.unmasked_in_block);
+        let block = f64::from(r.block_size);
+        let future = f64::from(r.future_blocks());
+        let lost = if r.needs_recompute { 1.0 } else { 0.0 };
+        for (slot, &tau) in out.iter_mut().zip(thresholds) {
+            let rate = self.rate(tau);
+            let current = (masked / rate).ceil();
+            let per_block = (block / rate).ceil();
+            *slot = StepsLeft {
+                cache: (current - lost) + future * (per_block - 1.0),
+                recompute: future + lost,
+            };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(in_block: u32, block: u32, needs_recompute: bool) -> RequestView {
+        RequestView {
+            prompt_len: 10,
+            output_len: 128,
+            block_size: 32,
+            steps_done: 0,
+            unmasked: block * 32 + in_block,
+            unmasked_in_block: in_block,
+            current_block: block,
+            needs_recompute,
+            confidence: None,
+        }
+    }
+
+    #[test]
+    fn rate_interpolates_and_clamps() {
+        let p = MeanRatePredictor::default();
+        assert_eq!(p.rate(0.1), 7.01);
+        assert_eq!(p.rate(0.9), 3.25);
+        assert!((p.rate(0.85) - (4.24 + 3.25) / 2.0).abs() < 1e-12);
+        assert_eq!(p.rate(1.0), 1.0);
+    }
+
+    #[test]
+    fn counts_block_structure() {
+        let p = MeanRatePredictor::new(&[(0.5, 8.0), (1.0, 1.0)]).unwrap();
+        let mut out = [StepsLeft::default(); 2];
+        // Fresh request: 4 blocks of 32, 4 steps per block at rate 8.
+        p.predict(&view(0, 0, true), &[0.5, 1.0], &mut out);
+        assert_eq!(out[0], StepsLeft { cache: 12.0, recompute: 4.0 });
+        assert_eq!(out[1], StepsLeft { cache: 124.0, recompute: 4.0 });
+        // Mid-block with the cache intact: 20 masked -> 3 cache steps now.
+        p.predict(&view(12, 1, false), &[0.5], &mut out[..1]);
+        assert_eq!(out[0], StepsLeft { cache: 3.0 + 6.0, recompute: 2.0 });
+        // Same state after a lost cache: one of those steps becomes a recompute step.
+        p.predict(&view(12, 1, true), &[0.5], &mut out[..1]);
+        assert_eq!(out[0], StepsLeft { cache: 2.0 + 6.0, recompute: 3.0 });
+    }
+
+    #[test]
+    fn higher_threshold_never_predicts_fewer_steps() {
+        let p = MeanRatePredictor::default();
+        let taus = [0.5, 0.6, 0.7, 0.8, 0.9, 1.0];
+        let mut out = [StepsLeft::default(); 6];
+        p.predict(&view(5, 2, false), &taus, &mut out);
+        assert!(out.windows(2).all(|w| w[0].total() <= w[1].total()));
+    }
+
+    #[test]
+    fn rejects_bad_points() {
+        for bad in [vec![], vec![(0.5, 0.5)], vec![(0.5, 2.0), (0.5, 3.0)], vec![(1.5, 2.0)]] {
+            assert!(MeanRatePredictor::new(&bad).is_err());
+        }
+    }
+}
