@@ -74,7 +74,11 @@ pub enum ProfileError {
         "latency table for tp={tp} kind={kind}: point {index} is invalid \
          (token counts must be positive and strictly increasing, seconds positive and finite)"
     )]
-    BadPoint { tp: u32, kind: StepKind, index: usize },
+    BadPoint {
+        tp: u32,
+        kind: StepKind,
+        index: usize,
+    },
     #[error("latency table for tp={tp} kind={kind} appears twice")]
     Duplicate { tp: u32, kind: StepKind },
     #[error("TP degree must be at least 1, got {0}")]
@@ -135,7 +139,10 @@ impl LatencyTable {
 
     /// Measured points as `(tokens, seconds)`.
     pub fn points(&self) -> impl Iterator<Item = (u64, f64)> + '_ {
-        self.tokens.iter().zip(&self.seconds).map(|(&t, &s)| (t as u64, s))
+        self.tokens
+            .iter()
+            .zip(&self.seconds)
+            .map(|(&t, &s)| (t as u64, s))
     }
 
     /// Largest measured batch-token count.
@@ -288,7 +295,11 @@ mod tests {
 
     fn profile() -> LatencyProfile {
         LatencyProfile::from_tables([
-            (1, StepKind::NoCache, vec![(64, 0.010), (256, 0.020), (1024, 0.060)]),
+            (
+                1,
+                StepKind::NoCache,
+                vec![(64, 0.010), (256, 0.020), (1024, 0.060)],
+            ),
             (1, StepKind::Cache, vec![(32, 0.004)]),
             (2, StepKind::NoCache, vec![(64, 0.008), (1024, 0.040)]),
         ])
@@ -333,7 +344,10 @@ mod tests {
         }
         assert!(matches!(
             p.latency(2, StepKind::Cache, 10.0),
-            Err(ProfileError::MissingKind { tp: 2, kind: StepKind::Cache })
+            Err(ProfileError::MissingKind {
+                tp: 2,
+                kind: StepKind::Cache
+            })
         ));
         assert!(p.require(&[1, 2], &[StepKind::NoCache]).is_ok());
         assert!(p.require(&[1, 2], &[StepKind::Cache]).is_err());

@@ -162,7 +162,9 @@ impl SchedulerConfig {
     /// Checks every field and sorts the thresholds ascending.
     pub fn validated(mut self) -> Result<Self, SchedError> {
         if self.thresholds.is_empty() {
-            return Err(SchedError::Config("candidate threshold set is empty".into()));
+            return Err(SchedError::Config(
+                "candidate threshold set is empty".into(),
+            ));
         }
         if self.thresholds.len() > MAX_THRESHOLDS {
             return Err(SchedError::Config(format!(
@@ -259,7 +261,13 @@ mod tests {
         let inf = Policy::infaas_like(0.9);
         let llu = Policy::llumnix_like(0.9);
         assert!(!inf.migration && llu.migration);
-        assert_eq!(Policy { migration: true, ..inf }, llu);
+        assert_eq!(
+            Policy {
+                migration: true,
+                ..inf
+            },
+            llu
+        );
         let d = Policy::dilaserve();
         assert!(!d.without_load_control().load_control);
         assert!(!d.without_migration().migration);

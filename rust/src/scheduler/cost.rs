@@ -119,7 +119,11 @@ mod tests {
 
     fn profile() -> LatencyProfile {
         LatencyProfile::from_tables([
-            (1, StepKind::NoCache, vec![(100, 0.010), (200, 0.009), (400, 0.030)]),
+            (
+                1,
+                StepKind::NoCache,
+                vec![(100, 0.010), (200, 0.009), (400, 0.030)],
+            ),
             (1, StepKind::Recompute, vec![(100, 0.010), (1000, 0.050)]),
             (1, StepKind::Cache, vec![(32, 0.002), (320, 0.004)]),
         ])

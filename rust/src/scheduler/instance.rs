@@ -184,10 +184,17 @@ mod tests {
         let mut t = InstanceTable::default();
         t.validate(&spec(1, 2, vec![0, 1])).unwrap();
         t.insert(spec(1, 2, vec![0, 1]), 0);
-        assert!(matches!(t.validate(&spec(1, 1, vec![5])), Err(SchedError::DuplicateInstance(1))));
+        assert!(matches!(
+            t.validate(&spec(1, 1, vec![5])),
+            Err(SchedError::DuplicateInstance(1))
+        ));
         assert!(matches!(
             t.validate(&spec(2, 1, vec![1])),
-            Err(SchedError::GpuInUse { holder: 1, gpu: 1, .. })
+            Err(SchedError::GpuInUse {
+                holder: 1,
+                gpu: 1,
+                ..
+            })
         ));
         assert!(t.validate(&spec(2, 2, vec![3])).is_err());
         assert!(t.validate(&spec(2, 2, vec![3, 3])).is_err());

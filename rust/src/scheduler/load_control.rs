@@ -100,7 +100,10 @@ mod tests {
             cache: 10.0,
             recompute: 2.0,
         };
-        assert_eq!(request_load(s, 400.0, 32.0, true), 10.0 * 32.0 + 2.0 * 400.0);
+        assert_eq!(
+            request_load(s, 400.0, 32.0, true),
+            10.0 * 32.0 + 2.0 * 400.0
+        );
         assert_eq!(request_load(s, 400.0, 32.0, false), 12.0 * 400.0);
     }
 
@@ -108,14 +111,10 @@ mod tests {
         (1usize..6).prop_flat_map(|k| {
             let row = prop::collection::vec(0.0f64..1000.0, k);
             let mask = 1u32..(1u32 << k);
-            (
-                prop::collection::vec((row, mask), 1..40),
-                0.0f64..20_000.0,
-            )
-                .prop_map(|(rows, cap)| {
-                    let (loads, masks) = rows.into_iter().unzip();
-                    (loads, masks, cap)
-                })
+            (prop::collection::vec((row, mask), 1..40), 0.0f64..20_000.0).prop_map(|(rows, cap)| {
+                let (loads, masks) = rows.into_iter().unzip();
+                (loads, masks, cap)
+            })
         })
     }
 

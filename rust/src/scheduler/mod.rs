@@ -28,7 +28,9 @@ pub use config::{
     InstanceChoice, LoadOrder, Policy, Prediction, SchedulerConfig, ThresholdPolicy, MAX_THRESHOLDS,
 };
 pub use cost::DegreeCosts;
-pub use decisions::{Batch, BatchEntry, Decisions, Migration, MigrationReason, WaitReason, Waiting};
+pub use decisions::{
+    Batch, BatchEntry, Decisions, Migration, MigrationReason, WaitReason, Waiting,
+};
 pub use error::SchedError;
 pub use events::StepResult;
 pub use instance::InstanceSpec;

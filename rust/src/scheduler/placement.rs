@@ -144,3 +144,88 @@ impl Placement {
         heap.push(Reverse((old + n, slot)));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::scheduler::instance::{InstanceSpec, InstanceTable};
+    use crate::scheduler::tests::profile;
+
+    proptest! {
+        /// The heap choice equals a scan for the minimum (key, tokens, slot) over every
+        /// accepting instance that fits, after any sequence of assignments.
+        #[test]
+        fn heap_choice_matches_a_scan(
+            tps in prop::collection::vec(prop::sample::select(vec![1u32, 2, 4]), 1..12),
+            busy in prop::collection::vec(any::<bool>(), 12),
+            draining in prop::collection::vec(prop::bool::weighted(0.2), 12),
+            fixed in prop::collection::vec(0u64..3000, 12),
+            requests in prop::collection::vec(1u64..1500, 1..60),
+            least_loaded in any::<bool>(),
+        ) {
+            let choice = if least_loaded {
+                InstanceChoice::LeastLoaded
+            } else {
+                InstanceChoice::EarliestCompletion
+            };
+            let profile = profile();
+            let mut groups: Vec<DegreeCosts> = Vec::new();
+            let mut table = InstanceTable::default();
+            for (i, &tp) in tps.iter().enumerate() {
+                let group = match groups.iter().position(|g| g.tp == tp) {
+                    Some(g) => g,
+                    None => {
+                        groups.push(DegreeCosts::new(&profile, tp, true, 4096).unwrap());
+                        groups.len() - 1
+                    }
+                };
+                let slot = table.insert(
+                    InstanceSpec { id: i as u64, tp, gpus: (0..tp).collect(), node: i as u32 },
+                    group,
+                );
+                table.slots[slot as usize].busy = busy[i];
+                table.slots[slot as usize].draining = draining[i];
+            }
+            let mut p = Placement::default();
+            p.begin(&table.slots, groups.len(), 4096);
+            for (i, &n) in fixed.iter().enumerate().take(tps.len()) {
+                if p.fits(i as u32, n) {
+                    p.add_fixed(i as u32, n, false);
+                }
+            }
+            p.build_heaps(&table.slots);
+            for (j, &n) in requests.iter().enumerate() {
+                let mut expected: Option<(f64, u64, u32)> = None;
+                for (slot, inst) in table.slots.iter().enumerate() {
+                    let slot = slot as u32;
+                    if inst.draining || !p.fits(slot, n) {
+                        continue;
+                    }
+                    let key = p.key(slot, n, &groups[inst.group], choice);
+                    let cand = (key, p.tokens[slot as usize], slot);
+                    if expected.is_none_or(|e| {
+                        cand.0 < e.0 || (cand.0 == e.0 && (cand.1, cand.2) < (e.1, e.2))
+                    }) {
+                        expected = Some(cand);
+                    }
+                }
+                let got = p.best(n, &groups, choice);
+                prop_assert_eq!(got.map(|c| c.slot), expected.map(|e| e.2));
+                // Alternate between taking the best and loading some other open instance,
+                // as a request that stays home does.
+                if let Some(c) = got {
+                    let target = if j % 3 == 2 {
+                        (0..tps.len() as u32)
+                            .find(|&s| !table.slots[s as usize].draining && p.fits(s, n))
+                            .unwrap_or(c.slot)
+                    } else {
+                        c.slot
+                    };
+                    p.add_free(target, table.slots[target as usize].group, n);
+                }
+            }
+        }
+    }
+}

@@ -174,14 +174,38 @@ mod tests {
         let mut out = [StepsLeft::default(); 2];
         // Fresh request: 4 blocks of 32, 4 steps per block at rate 8.
         p.predict(&view(0, 0, true), &[0.5, 1.0], &mut out);
-        assert_eq!(out[0], StepsLeft { cache: 12.0, recompute: 4.0 });
-        assert_eq!(out[1], StepsLeft { cache: 124.0, recompute: 4.0 });
+        assert_eq!(
+            out[0],
+            StepsLeft {
+                cache: 12.0,
+                recompute: 4.0
+            }
+        );
+        assert_eq!(
+            out[1],
+            StepsLeft {
+                cache: 124.0,
+                recompute: 4.0
+            }
+        );
         // Mid-block with the cache intact: 20 masked -> 3 cache steps now.
         p.predict(&view(12, 1, false), &[0.5], &mut out[..1]);
-        assert_eq!(out[0], StepsLeft { cache: 3.0 + 6.0, recompute: 2.0 });
+        assert_eq!(
+            out[0],
+            StepsLeft {
+                cache: 3.0 + 6.0,
+                recompute: 2.0
+            }
+        );
         // Same state after a lost cache: one of those steps becomes a recompute step.
         p.predict(&view(12, 1, true), &[0.5], &mut out[..1]);
-        assert_eq!(out[0], StepsLeft { cache: 2.0 + 6.0, recompute: 3.0 });
+        assert_eq!(
+            out[0],
+            StepsLeft {
+                cache: 2.0 + 6.0,
+                recompute: 3.0
+            }
+        );
     }
 
     #[test]
@@ -195,7 +219,12 @@ mod tests {
 
     #[test]
     fn rejects_bad_points() {
-        for bad in [vec![], vec![(0.5, 0.5)], vec![(0.5, 2.0), (0.5, 3.0)], vec![(1.5, 2.0)]] {
+        for bad in [
+            vec![],
+            vec![(0.5, 0.5)],
+            vec![(0.5, 2.0), (0.5, 3.0)],
+            vec![(1.5, 2.0)],
+        ] {
             assert!(MeanRatePredictor::new(&bad).is_err());
         }
     }

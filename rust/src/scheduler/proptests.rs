@@ -1,0 +1,328 @@
+//! Property tests over random event traces: every round's decisions must respect the
+//! scheduler's invariants whatever the policy, budget and event order.
+
+use std::collections::{HashMap, HashSet};
+
+use proptest::prelude::*;
+
+use super::tests::{instance, profile};
+use super::*;
+use crate::profile::StepKind;
+
+#[derive(Clone, Debug)]
+enum Op {
+    Arrive {
+        prompt: u32,
+        output: u32,
+        slack: f64,
+        priority: i32,
+        subset: u32,
+    },
+    /// Report the step of the n-th running batch (mod their count).
+    Finish {
+        pick: usize,
+        commit: u32,
+        eos: bool,
+    },
+    Cancel(usize),
+    AddInstance(u32),
+    Drain(usize),
+    Remove(usize),
+    Schedule,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => (0u32..600, 1u32..200, 0.0f64..5.0, 0i32..3, 0u32..32).prop_map(
+            |(prompt, output, slack, priority, subset)| Op::Arrive {
+                prompt, output, slack, priority, subset
+            }
+        ),
+        6 => (any::<usize>(), 1u32..40, prop::bool::weighted(0.03))
+            .prop_map(|(pick, commit, eos)| Op::Finish { pick, commit, eos }),
+        1 => any::<usize>().prop_map(Op::Cancel),
+        1 => prop::sample::select(vec![1u32, 2, 4]).prop_map(Op::AddInstance),
+        1 => any::<usize>().prop_map(Op::Drain),
+        1 => any::<usize>().prop_map(Op::Remove),
+        6 => Just(Op::Schedule),
+    ]
+}
+
+fn policy() -> impl Strategy<Value = Policy> {
+    prop::sample::select(vec![
+        Policy::dilaserve(),
+        Policy::dilaserve().without_load_control(),
+        Policy::dilaserve().without_migration(),
+        Policy::dilaserve().one_shot(),
+        Policy {
+            load_order: LoadOrder::Priority,
+            prediction: Prediction::Online { every: 3 },
+            ..Policy::dilaserve()
+        },
+        Policy::infaas_like(0.9),
+        Policy::llumnix_like(0.9),
+    ])
+}
+
+/// Pre-round view of one request, for checking the round against.
+struct Before {
+    info: RequestInfo,
+    step_tokens: u64,
+}
+
+struct Harness {
+    s: Scheduler,
+    policy: Policy,
+    max_tokens: u64,
+    caching: bool,
+    ids: Vec<u64>,
+    next_id: u64,
+    next_instance: u64,
+    running: Vec<(u64, Vec<u64>)>,
+    now: f64,
+}
+
+impl Harness {
+    fn snapshot(&self) -> HashMap<u64, Before> {
+        self.ids
+            .iter()
+            .filter_map(|&id| self.s.request(id).ok())
+            .map(|info| {
+                let step_tokens = if info.next_kind == StepKind::Cache {
+                    u64::from(info.block_size)
+                } else {
+                    u64::from(info.prompt_len) + u64::from(info.output_len)
+                };
+                (info.id, Before { info, step_tokens })
+            })
+            .collect()
+    }
+
+    fn apply(&mut self, op: &Op) -> Result<(), TestCaseError> {
+        match *op {
+            Op::Arrive {
+                prompt,
+                output,
+                slack,
+                priority,
+                subset,
+            } => {
+                let id = self.next_id;
+                self.next_id += 1;
+                let taus = &self.s.config().thresholds;
+                let chosen: Vec<f64> = taus
+                    .iter()
+                    .enumerate()
+                    .filter(|(k, _)| subset & (1 << k) != 0)
+                    .map(|(_, &t)| t)
+                    .collect();
+                let mut spec = RequestSpec::new(id, self.now, self.now + slack, prompt, output);
+                spec.priority = priority;
+                spec.thresholds = (!chosen.is_empty()).then_some(chosen);
+                if self.s.arrive(spec).is_ok() {
+                    self.ids.push(id);
+                }
+            }
+            Op::Finish { pick, commit, eos } => {
+                if self.running.is_empty() {
+                    return Ok(());
+                }
+                let (inst, members) = self.running.remove(pick % self.running.len());
+                let results: Vec<StepResult> = members
+                    .iter()
+                    .filter_map(|&id| self.s.request(id).ok())
+                    .map(|info| StepResult {
+                        request: info.id,
+                        committed: commit.min(info.block_size - info.unmasked_in_block),
+                        confidence: Some([0.1, 0.2, 0.4, 0.5, 0.7]),
+                        finished: eos,
+                    })
+                    .collect();
+                let finished = self
+                    .s
+                    .step_done(inst, 0.02, &results)
+                    .map_err(|e| TestCaseError::fail(format!("valid report rejected: {e}")))?;
+                let finished: HashSet<u64> = finished.iter().copied().collect();
+                self.ids.retain(|id| !finished.contains(id));
+            }
+            Op::Cancel(pick) => {
+                if !self.ids.is_empty() {
+                    let id = self.ids.remove(pick % self.ids.len());
+                    self.s
+                        .cancel(id)
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                }
+            }
+            Op::AddInstance(tp) => {
+                let id = self.next_instance;
+                self.next_instance += 1;
+                self.s
+                    .add_instance(instance(id, tp))
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+            }
+            Op::Drain(pick) | Op::Remove(pick) => {
+                let live = self.s.instance_ids();
+                if live.len() <= 1 {
+                    return Ok(());
+                }
+                let id = live[pick % live.len()];
+                if let Op::Drain(_) = op {
+                    self.s
+                        .drain_instance(id)
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                } else {
+                    self.s
+                        .remove_instance(id)
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                    self.running.retain(|(inst, _)| *inst != id);
+                }
+            }
+            Op::Schedule => self.round()?,
+        }
+        Ok(())
+    }
+
+    fn round(&mut self) -> Result<(), TestCaseError> {
+        let before = self.snapshot();
+        let idle: HashSet<u64> = self
+            .s
+            .instance_ids()
+            .into_iter()
+            .filter(|&id| {
+                self.s
+                    .instance(id)
+                    .map(|i| i.predicted_finish.is_none())
+                    .unwrap_or(false)
+            })
+            .collect();
+        self.now += 0.01;
+        let d = self
+            .s
+            .schedule(self.now)
+            .map_err(|e| TestCaseError::fail(e.to_string()))?
+            .clone();
+        let ready: HashSet<u64> = before
+            .values()
+            .filter(|b| !b.info.in_flight)
+            .map(|b| b.info.id)
+            .collect();
+
+        let mut seen = HashSet::new();
+        for batch in &d.batches {
+            prop_assert!(
+                idle.contains(&batch.instance),
+                "batch on a busy or dead instance"
+            );
+            prop_assert!(
+                batch.tokens <= self.max_tokens,
+                "batch over the token budget"
+            );
+            let mut tokens = 0;
+            for e in d.entries_of(batch) {
+                prop_assert!(
+                    seen.insert(e.request),
+                    "request {} in two batches",
+                    e.request
+                );
+                let b = before
+                    .get(&e.request)
+                    .ok_or_else(|| TestCaseError::fail("unknown"))?;
+                prop_assert!(!b.info.in_flight, "dispatched while in flight");
+                prop_assert_eq!(e.kind, b.info.next_kind);
+                tokens += b.step_tokens;
+                if self.caching && e.kind == StepKind::Cache {
+                    prop_assert!(!e.new_here, "cache step on a new instance");
+                    prop_assert_eq!(b.info.instance, Some(batch.instance));
+                }
+                prop_assert_eq!(e.new_here, b.info.instance != Some(batch.instance));
+                match self.policy.threshold {
+                    ThresholdPolicy::Fixed(tau) => prop_assert_eq!(e.tau, tau),
+                    ThresholdPolicy::SloAware => {
+                        prop_assert!(b.info.allowed.contains(&e.tau));
+                        let cap = self.s.request(e.request).unwrap().max_tau;
+                        prop_assert!(e.tau <= cap);
+                    }
+                }
+            }
+            prop_assert_eq!(tokens, batch.tokens);
+            self.running.push((
+                batch.instance,
+                d.entries_of(batch).iter().map(|e| e.request).collect(),
+            ));
+        }
+        for m in &d.migrations {
+            let b = &before[&m.request];
+            prop_assert!(seen.contains(&m.request), "migration without dispatch");
+            if self.caching {
+                prop_assert_eq!(
+                    b.info.next_kind,
+                    StepKind::Recompute,
+                    "migration before a cache step"
+                );
+            }
+            if !self.policy.migration {
+                prop_assert!(
+                    matches!(
+                        m.reason,
+                        MigrationReason::Draining | MigrationReason::InstanceRemoved
+                    ),
+                    "migration {:?} with migration off",
+                    m.reason
+                );
+            }
+        }
+        let mut waiting = HashSet::new();
+        for w in &d.waiting {
+            prop_assert!(waiting.insert(w.request), "request waits twice");
+            prop_assert!(
+                !seen.contains(&w.request),
+                "request both dispatched and waiting"
+            );
+        }
+        let accounted: HashSet<u64> = seen.union(&waiting).copied().collect();
+        prop_assert_eq!(
+            accounted,
+            ready,
+            "every ready request is dispatched or waits"
+        );
+        Ok(())
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(96))]
+
+    #[test]
+    fn rounds_respect_invariants(
+        policy in policy(),
+        caching in any::<bool>(),
+        max_tokens in prop::sample::select(vec![700u64, 2000, 8192]),
+        tps in prop::collection::vec(prop::sample::select(vec![1u32, 2, 4]), 1..5),
+        ops in prop::collection::vec(op(), 1..120),
+    ) {
+        let config = SchedulerConfig {
+            caching,
+            max_batch_tokens: max_tokens,
+            policy,
+            ..Default::default()
+        };
+        let mut h = Harness {
+            s: Scheduler::new(profile(), config).unwrap(),
+            policy,
+            max_tokens,
+            caching,
+            ids: Vec::new(),
+            next_id: 0,
+            next_instance: 0,
+            running: Vec::new(),
+            now: 0.0,
+        };
+        for tp in tps {
+            h.apply(&Op::AddInstance(tp))?;
+        }
+        for op in &ops {
+            h.apply(op)?;
+        }
+        h.round()?;
+    }
+}

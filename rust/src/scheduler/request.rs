@@ -173,7 +173,11 @@ impl RequestTable {
     }
 
     /// Validates `spec` against `config` and builds its initial state.
-    pub fn build(&self, spec: &RequestSpec, config: &SchedulerConfig) -> Result<Request, SchedError> {
+    pub fn build(
+        &self,
+        spec: &RequestSpec,
+        config: &SchedulerConfig,
+    ) -> Result<Request, SchedError> {
         let id = spec.id;
         let invalid = |reason: String| SchedError::InvalidRequest { id, reason };
         if self.index.contains_key(&id) {
@@ -199,9 +203,9 @@ impl RequestTable {
             return Err(invalid("block size must be at least 1".into()));
         }
         let blocks = spec.output_len.div_ceil(block_size);
-        let output_len = blocks.checked_mul(block_size).ok_or_else(|| {
-            invalid(format!("output length {} overflows", spec.output_len))
-        })?;
+        let output_len = blocks
+            .checked_mul(block_size)
+            .ok_or_else(|| invalid(format!("output length {} overflows", spec.output_len)))?;
         let allowed = match &spec.thresholds {
             None => u32::MAX >> (32 - config.thresholds.len()),
             Some(taus) => allowed_mask(id, taus, &config.thresholds)?,
@@ -256,7 +260,8 @@ impl RequestTable {
             }
             None => {
                 self.slots.push(request);
-                self.steps.resize(self.slots.len() * k, StepsLeft::default());
+                self.steps
+                    .resize(self.slots.len() * k, StepsLeft::default());
                 self.confidence.push(None);
                 self.caps.push(0);
                 (self.slots.len() - 1) as u32
@@ -306,14 +311,13 @@ impl RequestTable {
 fn allowed_mask(id: u64, taus: &[f64], candidates: &[f64]) -> Result<u32, SchedError> {
     let mut mask = 0u32;
     for &tau in taus {
-        let k = candidates
-            .iter()
-            .position(|&c| c == tau)
-            .ok_or_else(|| SchedError::UnknownThreshold {
+        let k = candidates.iter().position(|&c| c == tau).ok_or_else(|| {
+            SchedError::UnknownThreshold {
                 id,
                 tau,
                 candidates: candidates.to_vec(),
-            })?;
+            }
+        })?;
         mask |= 1 << k;
     }
     if mask == 0 {
@@ -348,19 +352,46 @@ mod tests {
         let cfg = config();
         let base = RequestSpec::new(1, 0.0, 10.0, 7, 33);
         let cases = [
-            RequestSpec { deadline: -1.0, ..base.clone() },
-            RequestSpec { arrival: f64::NAN, ..base.clone() },
-            RequestSpec { output_len: 0, ..base.clone() },
-            RequestSpec { block_size: Some(0), ..base.clone() },
-            RequestSpec { prompt_len: 9000, ..base.clone() },
+            RequestSpec {
+                deadline: -1.0,
+                ..base.clone()
+            },
+            RequestSpec {
+                arrival: f64::NAN,
+                ..base.clone()
+            },
+            RequestSpec {
+                output_len: 0,
+                ..base.clone()
+            },
+            RequestSpec {
+                block_size: Some(0),
+                ..base.clone()
+            },
+            RequestSpec {
+                prompt_len: 9000,
+                ..base.clone()
+            },
         ];
         for spec in cases {
             assert!(t.build(&spec, &cfg).is_err(), "{spec:?}");
         }
-        let empty = RequestSpec { thresholds: Some(vec![]), ..base.clone() };
-        assert!(matches!(t.build(&empty, &cfg), Err(SchedError::EmptyThresholdSet { id: 1 })));
-        let odd = RequestSpec { thresholds: Some(vec![0.55]), ..base };
-        assert!(matches!(t.build(&odd, &cfg), Err(SchedError::UnknownThreshold { .. })));
+        let empty = RequestSpec {
+            thresholds: Some(vec![]),
+            ..base.clone()
+        };
+        assert!(matches!(
+            t.build(&empty, &cfg),
+            Err(SchedError::EmptyThresholdSet { id: 1 })
+        ));
+        let odd = RequestSpec {
+            thresholds: Some(vec![0.55]),
+            ..base
+        };
+        assert!(matches!(
+            t.build(&odd, &cfg),
+            Err(SchedError::UnknownThreshold { .. })
+        ));
     }
 
     #[test]
@@ -368,7 +399,9 @@ mod tests {
         let cfg = config();
         let mut t = RequestTable::new(5);
         for (id, arrival) in [(1, 3.0), (2, 1.0), (3, 2.0), (4, 1.0)] {
-            let r = t.build(&RequestSpec::new(id, arrival, 10.0, 1, 1), &cfg).unwrap();
+            let r = t
+                .build(&RequestSpec::new(id, arrival, 10.0, 1, 1), &cfg)
+                .unwrap();
             t.insert(r, LoadOrder::Arrival);
         }
         let ids: Vec<u64> = t.order.iter().map(|&s| t.slots[s as usize].id).collect();
@@ -377,10 +410,14 @@ mod tests {
         t.remove(slot);
         assert!(t.slot_of(3).is_err());
         // Not reusable until the order no longer names it.
-        let r = t.build(&RequestSpec::new(5, 0.5, 10.0, 1, 1), &cfg).unwrap();
+        let r = t
+            .build(&RequestSpec::new(5, 0.5, 10.0, 1, 1), &cfg)
+            .unwrap();
         assert_ne!(t.insert(r, LoadOrder::Arrival), slot);
         t.compact();
-        let r = t.build(&RequestSpec::new(6, 9.0, 10.0, 1, 1), &cfg).unwrap();
+        let r = t
+            .build(&RequestSpec::new(6, 9.0, 10.0, 1, 1), &cfg)
+            .unwrap();
         assert_eq!(t.insert(r, LoadOrder::Arrival), slot);
         let ids: Vec<u64> = t.order.iter().map(|&s| t.slots[s as usize].id).collect();
         assert_eq!(ids, vec![5, 2, 4, 1, 6]);

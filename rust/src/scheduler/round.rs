@@ -6,10 +6,12 @@ use std::time::Instant;
 
 use super::config::ThresholdPolicy;
 use super::cost::DegreeCosts;
-use super::decisions::{Batch, BatchEntry, Decisions, Migration, MigrationReason, WaitReason, Waiting};
+use super::decisions::{
+    Batch, BatchEntry, Decisions, Migration, MigrationReason, WaitReason, Waiting,
+};
 use super::error::SchedError;
-use super::load_control::{request_load, LoadControl};
 use super::instance::Instance;
+use super::load_control::{request_load, LoadControl};
 use super::placement::Placement;
 use super::predictor::{RequestView, StepsLeft};
 use super::request::{Request, RequestTable};
@@ -299,7 +301,9 @@ impl Scheduler {
             new_here: false,
         };
         decisions.entries.clear();
-        decisions.entries.resize(scratch.assigned.len(), placeholder);
+        decisions
+            .entries
+            .resize(scratch.assigned.len(), placeholder);
         scratch.entry_slots.clear();
         scratch.entry_slots.resize(scratch.assigned.len(), 0);
         for &(inst_slot, slot, new_here) in &scratch.assigned {
@@ -346,12 +350,7 @@ impl Scheduler {
 }
 
 /// Expected seconds of each step shape on `inst` given the requests it now holds.
-fn step_prices(
-    costs: &DegreeCosts,
-    inst: &Instance,
-    caching: bool,
-    block: u32,
-) -> StepPrices {
+fn step_prices(costs: &DegreeCosts, inst: &Instance, caching: bool, block: u32) -> StepPrices {
     let full = costs.full(inst.resident_tokens as f64) * inst.factor;
     let cache = if caching {
         costs.cache(f64::from(block) * f64::from(inst.residents)) * inst.factor

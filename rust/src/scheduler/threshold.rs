@@ -22,7 +22,12 @@ pub fn remaining_seconds(steps: StepsLeft, prices: StepPrices) -> f64 {
 /// `allowed` is a non-empty bitmask over candidate indices (ascending thresholds); `steps[k]`
 /// is the prediction at candidate `k`. Walks allowed thresholds from highest to lowest and
 /// returns the first whose estimate fits `slo_left`, else the lowest allowed one.
-pub fn choose_threshold(allowed: u32, steps: &[StepsLeft], prices: StepPrices, slo_left: f64) -> usize {
+pub fn choose_threshold(
+    allowed: u32,
+    steps: &[StepsLeft],
+    prices: StepPrices,
+    slo_left: f64,
+) -> usize {
     debug_assert!(allowed != 0, "allowed threshold set must not be empty");
     let lowest = allowed.trailing_zeros() as usize;
     let mut rest = allowed;
@@ -38,7 +43,11 @@ pub fn choose_threshold(allowed: u32, steps: &[StepsLeft], prices: StepPrices, s
 
 /// `allowed` restricted to candidates at or below index `cap`.
 pub fn capped(allowed: u32, cap: usize) -> u32 {
-    let below = if cap >= 31 { u32::MAX } else { (1u32 << (cap + 1)) - 1 };
+    let below = if cap >= 31 {
+        u32::MAX
+    } else {
+        (1u32 << (cap + 1)) - 1
+    };
     allowed & below
 }
 
