@@ -2,8 +2,12 @@
 
 use pyo3::prelude::*;
 
+mod decisions;
 mod profile;
+mod scheduler;
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    profile::register(m)
+    profile::register(m)?;
+    scheduler::register(m)?;
+    decisions::register(m)
 }

@@ -24,6 +24,9 @@ impl From<ProfileError> for PyErr {
     }
 }
 
+/// One `(tp, kind, [(tokens, seconds), ...])` table as Python passes it.
+type TableArg = (u32, String, Vec<(u64, f64)>);
+
 /// Measured per-step latency by TP degree, step kind and batch tokens.
 #[pyclass(name = "LatencyProfile", module = "dilaserve._core", frozen)]
 pub struct PyLatencyProfile {
@@ -50,7 +53,7 @@ impl PyLatencyProfile {
 
     /// Builds a profile from `(tp, kind, [(tokens, seconds), ...])` triples.
     #[staticmethod]
-    fn from_tables(tables: Vec<(u32, String, Vec<(u64, f64)>)>) -> PyResult<Self> {
+    fn from_tables(tables: Vec<TableArg>) -> PyResult<Self> {
         let parsed = tables
             .into_iter()
             .map(|(tp, kind, points)| Ok((tp, kind.parse::<StepKind>()?, points)))

@@ -1,0 +1,389 @@
+"""Typed Python API of DiLaServe's Rust step-level scheduler.
+
+The scheduler is a library first: feed it events (arrivals, step reports, cancellations,
+instance changes) and call `Scheduler.schedule(now)` to get, per idle instance, the next
+batch of (request, threshold, step kind), every migration with its reason, and why each
+ready request that was not dispatched is waiting. The round runs in Rust with the GIL
+released; its decisions come back as numpy columns, with lists of records built on demand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Literal, NamedTuple
+
+import numpy as np
+
+from dilaserve import _core
+from dilaserve._core import (
+    InvalidInstanceError,
+    InvalidRequestError,
+    LatencyProfile,
+    LatencyProfileError,
+    SchedulerConfigError,
+    SchedulerError,
+    StepReportError,
+    UnknownInstanceError,
+    UnknownRequestError,
+)
+
+__all__ = [
+    "Batch",
+    "BatchEntry",
+    "Decisions",
+    "InstanceInfo",
+    "InvalidInstanceError",
+    "InvalidRequestError",
+    "LatencyProfile",
+    "LatencyProfileError",
+    "Migration",
+    "Policy",
+    "RequestInfo",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerConfigError",
+    "SchedulerError",
+    "StepReportError",
+    "StepResult",
+    "UnknownInstanceError",
+    "UnknownRequestError",
+    "Waiting",
+]
+
+StepKindName = Literal["recompute", "cache", "no_cache"]
+Confidence = tuple[float, float, float, float, float]
+
+STEP_KINDS: tuple[str, ...] = _core.STEP_KINDS
+WAIT_REASONS: tuple[str, ...] = _core.WAIT_REASONS
+MIGRATION_REASONS: tuple[str, ...] = _core.MIGRATION_REASONS
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How the scheduler decides. DiLaServe, the DESIGN §8 baselines and the ablations are
+    all values of this class, so every comparison runs the same scheduler."""
+
+    threshold: Literal["slo_aware", "fixed"] = "slo_aware"
+    #: Threshold of every step when `threshold == "fixed"`.
+    fixed_tau: float = 0.9
+    load_control: bool = True
+    load_order: Literal["arrival", "priority"] = "arrival"
+    instance_choice: Literal["earliest_completion", "least_loaded"] = "earliest_completion"
+    #: Let requests change instance between steps (with caching: before recompute steps).
+    migration: bool = True
+    prediction: Literal["online", "one_shot"] = "online"
+    #: With online prediction, re-run the predictor every this many steps of a request.
+    predict_every: int = 1
+
+    @classmethod
+    def dilaserve(cls) -> Policy:
+        return cls()
+
+    @classmethod
+    def infaas_like(cls, tau: float = 0.9) -> Policy:
+        """Fixed threshold, least-loaded dispatch, no migration, no load control."""
+        return cls(
+            threshold="fixed",
+            fixed_tau=tau,
+            load_control=False,
+            instance_choice="least_loaded",
+            migration=False,
+        )
+
+    @classmethod
+    def llumnix_like(cls, tau: float = 0.9) -> Policy:
+        """INFaaS-like plus step-level migration for load balance."""
+        return dataclasses.replace(cls.infaas_like(tau), migration=True)
+
+    def without_load_control(self) -> Policy:
+        return dataclasses.replace(self, load_control=False)
+
+    def without_migration(self) -> Policy:
+        return dataclasses.replace(self, migration=False)
+
+    def one_shot(self) -> Policy:
+        return dataclasses.replace(self, prediction="one_shot")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    #: Candidate thresholds.
+    thresholds: tuple[float, ...] = (0.5, 0.6, 0.7, 0.8, 0.9)
+    #: Default block size of requests that do not name one.
+    block_size: int = 32
+    #: Approximate KV cache on (recompute / cache steps) or off (no-cache steps).
+    caching: bool = True
+    #: Most tokens one instance step may process.
+    max_batch_tokens: int = 8192
+    #: SLO window load control plans for; None uses the mean SLO of active requests.
+    slo_window_s: float | None = None
+    policy: Policy = field(default_factory=Policy)
+    #: `(threshold, mean tokens per step)` points of the default predictor; None uses
+    #: Fast-dLLM's GSM8K figures.
+    predictor_rates: tuple[tuple[float, float], ...] | None = None
+
+
+class StepResult(NamedTuple):
+    """A worker's report on one request of a finished step."""
+
+    request: int
+    #: Tokens the step unmasked (at least one).
+    committed: int
+    #: Confidence of still-masked output tokens: min, q25, median, mean, q75.
+    confidence: Confidence | None = None
+    #: The request ended early (EOS with everything before it unmasked).
+    finished: bool = False
+
+
+class BatchEntry(NamedTuple):
+    request: int
+    tau: float
+    kind: StepKindName
+    #: The instance does not hold the request's token state yet; the step command carries it.
+    new_here: bool
+
+
+class Batch(NamedTuple):
+    instance: int
+    entries: list[BatchEntry]
+    tokens: int
+    predicted_finish: float
+
+
+class Migration(NamedTuple):
+    request: int
+    from_instance: int
+    to_instance: int
+    reason: str
+
+
+class Waiting(NamedTuple):
+    request: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    id: int
+    arrival: float
+    deadline: float
+    priority: int
+    prompt_len: int
+    #: Output positions padded to whole blocks.
+    output_len: int
+    block_size: int
+    steps_done: int
+    unmasked: int
+    unmasked_in_block: int
+    current_block: int
+    instance: int | None
+    next_kind: StepKindName
+    in_flight: bool
+    allowed: list[float]
+    #: Highest threshold load control currently leaves the request.
+    max_tau: float
+    last_tau: float | None
+    #: `(cache steps, recompute steps)` left, per candidate threshold.
+    predictions: list[tuple[float, float]]
+
+
+@dataclass(frozen=True)
+class InstanceInfo:
+    id: int
+    tp: int
+    gpus: list[int]
+    node: int
+    draining: bool
+    #: Requests of the step in flight; empty when idle.
+    batch: list[int]
+    batch_tokens: int
+    predicted_finish: float | None
+    residents: int
+    resident_tokens: int
+    #: Measured / predicted step-time correction.
+    factor: float
+    steps_run: int
+
+
+class Decisions:
+    """One round's decisions. Columns are numpy arrays over all batch entries, grouped by
+    batch; `batches`, `migrations` and `waiting` build record lists on first access."""
+
+    def __init__(self, core: _core.Decisions) -> None:
+        self._core = core
+
+    @property
+    def now(self) -> float:
+        return self._core.now
+
+    @property
+    def elapsed_s(self) -> float:
+        """Seconds the round took inside the Rust core."""
+        return self._core.elapsed_s
+
+    @cached_property
+    def batch_table(self) -> list[tuple[int, int, int, int, float]]:
+        """`(instance, start, len, tokens, predicted_finish)` per batch."""
+        return self._core.batches()
+
+    @cached_property
+    def entry_requests(self) -> np.ndarray:
+        return np.frombuffer(self._core.entry_requests(), dtype="<u8")
+
+    @cached_property
+    def entry_taus(self) -> np.ndarray:
+        return np.frombuffer(self._core.entry_taus(), dtype="<f8")
+
+    @cached_property
+    def entry_kinds(self) -> np.ndarray:
+        """Step kind codes; `STEP_KINDS[code]` names them."""
+        return np.frombuffer(self._core.entry_kinds(), dtype=np.uint8)
+
+    @cached_property
+    def entry_new_here(self) -> np.ndarray:
+        return np.frombuffer(self._core.entry_new_here(), dtype=np.uint8).astype(bool)
+
+    @cached_property
+    def waiting_requests(self) -> np.ndarray:
+        return np.frombuffer(self._core.waiting_requests(), dtype="<u8")
+
+    @cached_property
+    def waiting_reasons(self) -> np.ndarray:
+        """Wait reason codes; `WAIT_REASONS[code]` names them."""
+        return np.frombuffer(self._core.waiting_reasons(), dtype=np.uint8)
+
+    @cached_property
+    def batches(self) -> list[Batch]:
+        requests = self.entry_requests.tolist()
+        taus = self.entry_taus.tolist()
+        kinds = self.entry_kinds.tolist()
+        new = self.entry_new_here.tolist()
+        out = []
+        for instance, start, length, tokens, finish in self.batch_table:
+            entries = [
+                BatchEntry(requests[i], taus[i], STEP_KINDS[kinds[i]], new[i])  # type: ignore[arg-type]
+                for i in range(start, start + length)
+            ]
+            out.append(Batch(instance, entries, tokens, finish))
+        return out
+
+    @cached_property
+    def migrations(self) -> list[Migration]:
+        return [Migration(*m) for m in self._core.migrations()]
+
+    @cached_property
+    def waiting(self) -> list[Waiting]:
+        reasons = self.waiting_reasons.tolist()
+        return [
+            Waiting(r, WAIT_REASONS[c])
+            for r, c in zip(self.waiting_requests.tolist(), reasons, strict=True)
+        ]
+
+    def batch_for(self, instance: int) -> Batch | None:
+        """The batch of one instance, if it got one."""
+        return next((b for b in self.batches if b.instance == instance), None)
+
+    def __repr__(self) -> str:
+        return repr(self._core)
+
+
+class Scheduler:
+    """DiLaServe's step-level scheduler: SLO-aware thresholds, adaptive load control,
+    earliest-completion instance choice and migration between steps (DESIGN §4–§6).
+
+    Not thread-safe: one engine loop owns it.
+    """
+
+    def __init__(self, profile: LatencyProfile, config: SchedulerConfig | None = None) -> None:
+        self.config = config if config is not None else SchedulerConfig()
+        c, p = self.config, self.config.policy
+        rates = None if c.predictor_rates is None else [tuple(r) for r in c.predictor_rates]
+        self._core = _core.Scheduler(
+            profile,
+            thresholds=list(c.thresholds),
+            block_size=c.block_size,
+            caching=c.caching,
+            max_batch_tokens=c.max_batch_tokens,
+            slo_window_s=c.slo_window_s,
+            threshold_policy=p.threshold,
+            fixed_tau=p.fixed_tau,
+            load_control=p.load_control,
+            load_order=p.load_order,
+            instance_choice=p.instance_choice,
+            migration=p.migration,
+            prediction=p.prediction,
+            predict_every=p.predict_every,
+            predictor_rates=rates,
+        )
+
+    @property
+    def thresholds(self) -> list[float]:
+        """Candidate thresholds, ascending."""
+        return self._core.thresholds
+
+    @property
+    def active_requests(self) -> int:
+        return self._core.active_requests
+
+    def arrive(
+        self,
+        request_id: int,
+        *,
+        arrival: float,
+        deadline: float,
+        prompt_len: int,
+        output_len: int,
+        priority: int = 0,
+        block_size: int | None = None,
+        thresholds: Sequence[float] | None = None,
+    ) -> None:
+        """Admits a request; `deadline` is absolute, on the clock of `schedule(now)`."""
+        self._core.arrive(
+            request_id,
+            arrival=arrival,
+            deadline=deadline,
+            prompt_len=prompt_len,
+            output_len=output_len,
+            priority=priority,
+            block_size=block_size,
+            thresholds=None if thresholds is None else list(thresholds),
+        )
+
+    def step_done(
+        self, instance: int, measured_s: float, results: Iterable[StepResult]
+    ) -> list[int]:
+        """Applies the report of an instance's finished step; returns finished request ids.
+
+        Every request of the batch needs a result, except ones cancelled meanwhile.
+        """
+        return self._core.step_done(instance, measured_s, list(results))
+
+    def cancel(self, request_id: int) -> None:
+        self._core.cancel(request_id)
+
+    def add_instance(self, instance_id: int, *, tp: int, gpus: Sequence[int], node: int = 0) -> None:
+        self._core.add_instance(instance_id, tp=tp, gpus=list(gpus), node=node)
+
+    def drain_instance(self, instance_id: int) -> None:
+        """Sends no new requests there; held requests leave at their next recompute step."""
+        self._core.drain_instance(instance_id)
+
+    def remove_instance(self, instance_id: int) -> None:
+        """Forgets an instance; its requests lose their cache and are placed again."""
+        self._core.remove_instance(instance_id)
+
+    def schedule(self, now: float) -> Decisions:
+        """Runs one round; dispatched requests are in flight until their `step_done`."""
+        return Decisions(self._core.schedule(now))
+
+    def instance_ids(self) -> list[int]:
+        return self._core.instance_ids()
+
+    def request(self, request_id: int) -> RequestInfo:
+        return RequestInfo(**self._core.request(request_id))
+
+    def instance(self, instance_id: int) -> InstanceInfo:
+        return InstanceInfo(**self._core.instance(instance_id))
