@@ -423,7 +423,10 @@ class ReferenceScheduler:
                 if best is None or cand < best:
                     best = cand
             if best is None:
-                reason = "no_instance" if targets == 0 else "all_busy" if accepting == 0 else "no_room"
+                if targets == 0:
+                    reason = "no_instance"
+                else:
+                    reason = "all_busy" if accepting == 0 else "no_room"
                 out.waiting.append((r.id, reason))
                 continue
             best_slot = best[2]
@@ -434,12 +437,8 @@ class ReferenceScheduler:
                         (r.id, r.displaced_from, insts[best_slot].id, "instance_removed")
                     )
                 target = best_slot
-            elif home == best_slot:
-                target = home
-            elif (
-                not insts[home].draining
-                and fits(home, n)
-                and self._key(tokens, home, n) <= best[0]
+            elif home == best_slot or (
+                not insts[home].draining and fits(home, n) and self._key(tokens, home, n) <= best[0]
             ):
                 target = home
             else:
@@ -524,7 +523,8 @@ def assert_same(rust, reference: Decisions) -> None:
     for name in ("batches", "entries", "migrations", "waiting"):
         x, y = getattr(ours, name), getattr(reference, name)
         if x != y:
-            i = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+            pairs = enumerate(zip(x, y, strict=False))
+            i = next((i for i, (p, q) in pairs if p != q), min(len(x), len(y)))
             raise AssertionError(
                 f"{name} differ at {i}: rust {x[i : i + 1]} vs reference {y[i : i + 1]} "
                 f"(lengths {len(x)} and {len(y)})"

@@ -24,9 +24,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sched_reference import ReferenceScheduler, assert_same  # noqa: E402
-
 from dilaserve.scheduler import LatencyProfile, Scheduler, SchedulerConfig, StepResult  # noqa: E402
+from sched_reference import ReferenceScheduler, assert_same  # noqa: E402
 
 TP_SPEED = {1: 1.0, 2: 0.75, 4: 0.45}  # DESIGN §2: TP2 -25 %, TP4 -55 % per step
 BLOCK = 32
@@ -79,7 +78,14 @@ def populate(scheds: list, n_req: int, n_inst: int, seed: int) -> None:
 def step_reports(decisions, in_block: dict[int, int], step: int) -> list[tuple[int, float, list]]:
     """Deterministic worker replies: 1-3 tokens per step, never past the block end."""
     out = []
-    for inst, start, length, _, finish in decisions.batch_table:
+    columns = zip(
+        decisions.batch_instances.tolist(),
+        decisions.batch_starts.tolist(),
+        decisions.batch_lens.tolist(),
+        decisions.batch_finish.tolist(),
+        strict=True,
+    )
+    for inst, start, length, finish in columns:
         ids = decisions.entry_requests[start : start + length].tolist()
         results = []
         for rid in ids:
@@ -104,7 +110,8 @@ def run(setup: Setup, profile: LatencyProfile, config: SchedulerConfig) -> None:
             t0 = time.perf_counter()
             d = rust.schedule(now)
             # A caller needs the decisions in hand: fetch the columns it dispatches from.
-            _ = (d.batch_table, d.entry_requests, d.entry_taus, d.entry_kinds, d.entry_new_here)
+            _ = (d.batch_instances, d.batch_starts, d.batch_lens, d.entry_requests, d.entry_taus)
+            _ = (d.entry_kinds, d.entry_new_here)
             py_s = time.perf_counter() - t0
             if step >= 2:  # the first rounds place fresh arrivals only
                 setup.rust_ms.append(d.elapsed_s * 1e3)
@@ -122,6 +129,8 @@ def run(setup: Setup, profile: LatencyProfile, config: SchedulerConfig) -> None:
                 rust.step_done(inst, measured, results)
                 if compare:
                     ref.step_done(inst, measured, results)
+            # Drop this round's objects before the next timed call, not inside it.
+            del d
             now += 0.05
     finally:
         gc.enable()

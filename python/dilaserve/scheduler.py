@@ -59,6 +59,12 @@ Confidence = tuple[float, float, float, float, float]
 STEP_KINDS: tuple[str, ...] = _core.STEP_KINDS
 WAIT_REASONS: tuple[str, ...] = _core.WAIT_REASONS
 MIGRATION_REASONS: tuple[str, ...] = _core.MIGRATION_REASONS
+# Record layouts written by the core (rust/src/bindings/decisions.rs).
+_BATCH = np.dtype(
+    [("instance", "<u8"), ("start", "<u8"), ("len", "<u8"), ("tokens", "<u8"), ("finish", "<f8")]
+)
+_ENTRY = np.dtype([("request", "<u8"), ("tau", "<f8"), ("kind", "u1"), ("new_here", "?")])
+_WAITING = np.dtype([("request", "<u8"), ("reason", "u1")])
 
 
 @dataclass(frozen=True)
@@ -209,11 +215,31 @@ class InstanceInfo:
 
 
 class Decisions:
-    """One round's decisions. Columns are numpy arrays over all batch entries, grouped by
-    batch; `batches`, `migrations` and `waiting` build record lists on first access."""
+    """One round's decisions. Columns are read-only numpy views of the core's packed records
+    (entries grouped by batch, batches in instance announcement order); `batches`,
+    `migrations` and `waiting` build record lists on first access."""
 
     def __init__(self, core: _core.Decisions) -> None:
         self._core = core
+        batches = np.frombuffer(core.batches, dtype=_BATCH)
+        entries = np.frombuffer(core.entries, dtype=_ENTRY)
+        waiting = np.frombuffer(core.waiting, dtype=_WAITING)
+        #: Instance id of each batch.
+        self.batch_instances: np.ndarray = batches["instance"]
+        #: Index of each batch's first entry in the entry columns.
+        self.batch_starts: np.ndarray = batches["start"]
+        self.batch_lens: np.ndarray = batches["len"]
+        self.batch_tokens: np.ndarray = batches["tokens"]
+        #: Predicted end time of each batch's step.
+        self.batch_finish: np.ndarray = batches["finish"]
+        self.entry_requests: np.ndarray = entries["request"]
+        self.entry_taus: np.ndarray = entries["tau"]
+        #: Step kind codes; `STEP_KINDS[code]` names them.
+        self.entry_kinds: np.ndarray = entries["kind"]
+        self.entry_new_here: np.ndarray = entries["new_here"]
+        self.waiting_requests: np.ndarray = waiting["request"]
+        #: Wait reason codes; `WAIT_REASONS[code]` names them.
+        self.waiting_reasons: np.ndarray = waiting["reason"]
 
     @property
     def now(self) -> float:
@@ -225,46 +251,22 @@ class Decisions:
         return self._core.elapsed_s
 
     @cached_property
-    def batch_table(self) -> list[tuple[int, int, int, int, float]]:
-        """`(instance, start, len, tokens, predicted_finish)` per batch."""
-        return self._core.batches()
-
-    @cached_property
-    def entry_requests(self) -> np.ndarray:
-        return np.frombuffer(self._core.entry_requests(), dtype="<u8")
-
-    @cached_property
-    def entry_taus(self) -> np.ndarray:
-        return np.frombuffer(self._core.entry_taus(), dtype="<f8")
-
-    @cached_property
-    def entry_kinds(self) -> np.ndarray:
-        """Step kind codes; `STEP_KINDS[code]` names them."""
-        return np.frombuffer(self._core.entry_kinds(), dtype=np.uint8)
-
-    @cached_property
-    def entry_new_here(self) -> np.ndarray:
-        return np.frombuffer(self._core.entry_new_here(), dtype=np.uint8).astype(bool)
-
-    @cached_property
-    def waiting_requests(self) -> np.ndarray:
-        return np.frombuffer(self._core.waiting_requests(), dtype="<u8")
-
-    @cached_property
-    def waiting_reasons(self) -> np.ndarray:
-        """Wait reason codes; `WAIT_REASONS[code]` names them."""
-        return np.frombuffer(self._core.waiting_reasons(), dtype=np.uint8)
-
-    @cached_property
     def batches(self) -> list[Batch]:
         requests = self.entry_requests.tolist()
         taus = self.entry_taus.tolist()
-        kinds = self.entry_kinds.tolist()
+        kinds = [STEP_KINDS[k] for k in self.entry_kinds.tolist()]
         new = self.entry_new_here.tolist()
         out = []
-        for instance, start, length, tokens, finish in self.batch_table:
+        for instance, start, length, tokens, finish in zip(
+            self.batch_instances.tolist(),
+            self.batch_starts.tolist(),
+            self.batch_lens.tolist(),
+            self.batch_tokens.tolist(),
+            self.batch_finish.tolist(),
+            strict=True,
+        ):
             entries = [
-                BatchEntry(requests[i], taus[i], STEP_KINDS[kinds[i]], new[i])  # type: ignore[arg-type]
+                BatchEntry(requests[i], taus[i], kinds[i], new[i])  # type: ignore[arg-type]
                 for i in range(start, start + length)
             ]
             out.append(Batch(instance, entries, tokens, finish))
@@ -364,7 +366,9 @@ class Scheduler:
     def cancel(self, request_id: int) -> None:
         self._core.cancel(request_id)
 
-    def add_instance(self, instance_id: int, *, tp: int, gpus: Sequence[int], node: int = 0) -> None:
+    def add_instance(
+        self, instance_id: int, *, tp: int, gpus: Sequence[int], node: int = 0
+    ) -> None:
         self._core.add_instance(instance_id, tp=tp, gpus=list(gpus), node=node)
 
     def drain_instance(self, instance_id: int) -> None:

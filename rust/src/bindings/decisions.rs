@@ -1,5 +1,6 @@
-//! Python view of a round's decisions: columns as little-endian `bytes` (read with
-//! `numpy.frombuffer`), so handing 10k entries to Python costs a copy, not 10k objects.
+//! Python view of a round's decisions: batches, entries and waiting requests each as one
+//! `bytes` of packed little-endian records (read with `numpy.frombuffer` and a structured
+//! dtype), so handing 10k dispatched steps to Python costs a copy, not 10k objects.
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
@@ -7,12 +8,12 @@ use pyo3::types::{PyBytes, PyTuple};
 use crate::profile::StepKind;
 use crate::scheduler::{Decisions, MigrationReason, WaitReason};
 
-/// Code of a step kind in `Decisions.entry_kinds`: its index in `StepKind::ALL`.
+/// Code of a step kind in `entry_kinds`: its index in `StepKind::ALL`.
 fn kind_code(kind: StepKind) -> u8 {
     StepKind::ALL.iter().position(|&k| k == kind).unwrap_or(0) as u8
 }
 
-/// Code of a wait reason in `Decisions.waiting_reasons`: its index in `WaitReason::ALL`.
+/// Code of a wait reason in `waiting_reasons`: its index in `WaitReason::ALL`.
 fn wait_code(reason: WaitReason) -> u8 {
     WaitReason::ALL
         .iter()
@@ -20,139 +21,105 @@ fn wait_code(reason: WaitReason) -> u8 {
         .unwrap_or(0) as u8
 }
 
-/// Packs 8-byte little-endian values into a `bytes` object without an intermediate buffer.
-fn packed<'py>(
+/// Writes one fixed-width little-endian record per item into a `bytes` object, without a
+/// staging buffer. Record layouts are mirrored by numpy dtypes in `dilaserve.scheduler`.
+fn records<'py, T>(
     py: Python<'py>,
-    values: impl ExactSizeIterator<Item = [u8; 8]>,
-) -> PyResult<Bound<'py, PyBytes>> {
-    PyBytes::new_with(py, values.len() * 8, |buf| {
-        for (chunk, v) in buf.chunks_exact_mut(8).zip(values) {
-            chunk.copy_from_slice(&v);
+    items: &[T],
+    width: usize,
+    write: impl Fn(&T, &mut [u8]),
+) -> PyResult<Py<PyBytes>> {
+    let bytes = PyBytes::new_with(py, items.len() * width, |buf| {
+        for (chunk, item) in buf.chunks_exact_mut(width).zip(items) {
+            write(item, chunk);
         }
         Ok(())
-    })
+    })?;
+    Ok(bytes.unbind())
 }
+
+/// Batch record: instance u64, start u64, len u64, tokens u64, predicted_finish f64.
+const BATCH_WIDTH: usize = 40;
+/// Entry record: request u64, tau f64, kind u8, new_here u8.
+const ENTRY_WIDTH: usize = 18;
+/// Waiting record: request u64, reason u8.
+const WAITING_WIDTH: usize = 9;
 
 /// Decisions of one scheduling round (see `dilaserve.scheduler.Decisions`).
 #[pyclass(name = "Decisions", module = "dilaserve._core", frozen)]
 pub struct PyDecisions {
-    pub inner: Decisions,
+    #[pyo3(get)]
+    now: f64,
+    /// Seconds the round took inside the Rust core.
+    #[pyo3(get)]
+    elapsed_s: f64,
+    #[pyo3(get)]
+    batches: Py<PyBytes>,
+    #[pyo3(get)]
+    entries: Py<PyBytes>,
+    #[pyo3(get)]
+    waiting: Py<PyBytes>,
+    migrations: Vec<(u64, u64, u64, &'static str)>,
+}
+
+impl PyDecisions {
+    pub fn new(py: Python<'_>, d: &Decisions) -> PyResult<Self> {
+        Ok(Self {
+            now: d.now,
+            elapsed_s: d.elapsed_s,
+            batches: records(py, &d.batches, BATCH_WIDTH, |b, out| {
+                out[0..8].copy_from_slice(&b.instance.to_le_bytes());
+                out[8..16].copy_from_slice(&(b.start as u64).to_le_bytes());
+                out[16..24].copy_from_slice(&(b.len as u64).to_le_bytes());
+                out[24..32].copy_from_slice(&b.tokens.to_le_bytes());
+                out[32..40].copy_from_slice(&b.predicted_finish.to_le_bytes());
+            })?,
+            entries: records(py, &d.entries, ENTRY_WIDTH, |e, out| {
+                out[0..8].copy_from_slice(&e.request.to_le_bytes());
+                out[8..16].copy_from_slice(&e.tau.to_le_bytes());
+                out[16] = kind_code(e.kind);
+                out[17] = u8::from(e.new_here);
+            })?,
+            waiting: records(py, &d.waiting, WAITING_WIDTH, |w, out| {
+                out[0..8].copy_from_slice(&w.request.to_le_bytes());
+                out[8] = wait_code(w.reason);
+            })?,
+            migrations: d
+                .migrations
+                .iter()
+                .map(|m| (m.request, m.from, m.to, m.reason.as_str()))
+                .collect(),
+        })
+    }
 }
 
 #[pymethods]
 impl PyDecisions {
-    #[getter]
-    fn now(&self) -> f64 {
-        self.inner.now
-    }
-
-    /// Seconds the round took inside the Rust core.
-    #[getter]
-    fn elapsed_s(&self) -> f64 {
-        self.inner.elapsed_s
-    }
-
-    #[getter]
-    fn num_batches(&self) -> usize {
-        self.inner.batches.len()
-    }
-
-    #[getter]
-    fn num_entries(&self) -> usize {
-        self.inner.entries.len()
-    }
-
-    /// `(instance, start, len, tokens, predicted_finish)` per batch.
-    fn batches(&self) -> Vec<(u64, usize, usize, u64, f64)> {
-        self.inner
-            .batches
-            .iter()
-            .map(|b| (b.instance, b.start, b.len, b.tokens, b.predicted_finish))
-            .collect()
-    }
-
-    /// Request ids of all entries, grouped by batch (uint64).
-    fn entry_requests<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        packed(
-            py,
-            self.inner.entries.iter().map(|e| e.request.to_le_bytes()),
-        )
-    }
-
-    /// Threshold of every entry (float64).
-    fn entry_taus<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        packed(py, self.inner.entries.iter().map(|e| e.tau.to_le_bytes()))
-    }
-
-    /// Step kind code of every entry (uint8, index into `STEP_KINDS`).
-    fn entry_kinds<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        let codes: Vec<u8> = self
-            .inner
-            .entries
-            .iter()
-            .map(|e| kind_code(e.kind))
-            .collect();
-        PyBytes::new(py, &codes)
-    }
-
-    /// 1 where the entry's instance does not hold the request's state yet (uint8).
-    fn entry_new_here<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        let flags: Vec<u8> = self
-            .inner
-            .entries
-            .iter()
-            .map(|e| u8::from(e.new_here))
-            .collect();
-        PyBytes::new(py, &flags)
-    }
-
     /// `(request, from_instance, to_instance, reason)` per migration.
     fn migrations(&self) -> Vec<(u64, u64, u64, &'static str)> {
-        self.inner
-            .migrations
-            .iter()
-            .map(|m| (m.request, m.from, m.to, m.reason.as_str()))
-            .collect()
+        self.migrations.clone()
     }
 
-    /// Ids of waiting requests (uint64).
-    fn waiting_requests<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        packed(
-            py,
-            self.inner.waiting.iter().map(|w| w.request.to_le_bytes()),
-        )
-    }
-
-    /// Wait reason code per waiting request (uint8, index into `WAIT_REASONS`).
-    fn waiting_reasons<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        let codes: Vec<u8> = self
-            .inner
-            .waiting
-            .iter()
-            .map(|w| wait_code(w.reason))
-            .collect();
-        PyBytes::new(py, &codes)
-    }
-
-    fn __repr__(&self) -> String {
+    fn __repr__(&self, py: Python<'_>) -> String {
         format!(
             "Decisions(now={}, batches={}, entries={}, migrations={}, waiting={})",
-            self.inner.now,
-            self.inner.batches.len(),
-            self.inner.entries.len(),
-            self.inner.migrations.len(),
-            self.inner.waiting.len()
+            self.now,
+            self.batches.as_bytes(py).len() / BATCH_WIDTH,
+            self.entries.as_bytes(py).len() / ENTRY_WIDTH,
+            self.migrations.len(),
+            self.waiting.as_bytes(py).len() / WAITING_WIDTH
         )
     }
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
     m.add_class::<PyDecisions>()?;
     let kinds: Vec<&str> = StepKind::ALL.iter().map(|k| k.as_str()).collect();
-    m.add("STEP_KINDS", PyTuple::new(m.py(), kinds)?)?;
+    m.add("STEP_KINDS", PyTuple::new(py, kinds)?)?;
     let waits: Vec<&str> = WaitReason::ALL.iter().map(|r| r.as_str()).collect();
-    m.add("WAIT_REASONS", PyTuple::new(m.py(), waits)?)?;
+    m.add("WAIT_REASONS", PyTuple::new(py, waits)?)?;
     let migrations: Vec<&str> = MigrationReason::ALL.iter().map(|r| r.as_str()).collect();
-    m.add("MIGRATION_REASONS", PyTuple::new(m.py(), migrations)?)?;
+    m.add("MIGRATION_REASONS", PyTuple::new(py, migrations)?)?;
     Ok(())
 }

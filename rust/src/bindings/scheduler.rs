@@ -287,8 +287,8 @@ impl PyScheduler {
     /// Runs one round at time `now` with the GIL released.
     fn schedule(&mut self, py: Python<'_>, now: f64) -> PyResult<PyDecisions> {
         let inner = &mut self.inner;
-        let decisions = py.detach(|| inner.schedule(now).cloned())?;
-        Ok(PyDecisions { inner: decisions })
+        py.detach(|| inner.schedule(now).map(|_| ()))?;
+        PyDecisions::new(py, self.inner.last_decisions())
     }
 
     /// Live instance ids in announcement order.

@@ -16,9 +16,10 @@ pub enum ThresholdPolicy {
 }
 
 /// Order in which load control and dispatch walk the requests.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum LoadOrder {
     /// Earliest arrival first.
+    #[default]
     Arrival,
     /// Highest priority first, then earliest arrival.
     Priority,

@@ -5,7 +5,7 @@ use super::config::Prediction;
 use super::cost::DegreeCosts;
 use super::error::SchedError;
 use super::instance::InstanceSpec;
-use super::request::{RequestSpec, RequestTable};
+use super::request::RequestSpec;
 use super::Scheduler;
 use crate::profile::StepKind;
 
@@ -35,24 +35,28 @@ impl StepResult {
 impl Scheduler {
     /// Admits a new request; it is ready for the next round.
     pub fn arrive(&mut self, spec: RequestSpec) -> Result<(), SchedError> {
-        let request = self.requests.build(&spec, &self.config)?;
-        let slot = self.requests.insert(request, self.config.policy.load_order);
+        let (request, allowed) = self.requests.build(&spec, &self.config)?;
+        let pos = self.requests.insert(request, allowed);
         self.scratch.pending.clear();
-        self.scratch.pending.push(slot);
+        self.scratch.pending.push(pos);
         self.refresh_predictions();
         Ok(())
     }
 
-    /// Takes a request out of the scheduler. A request in flight stays in its instance's
-    /// batch until that step is reported; its result is then ignored.
+    /// Takes a request out of the scheduler. If it is in flight, its instance's report may
+    /// still name it; that result is ignored.
     pub fn cancel(&mut self, id: u64) -> Result<(), SchedError> {
-        let slot = self.requests.slot_of(id)?;
-        let r = &self.requests.slots[slot as usize];
+        let pos = self.requests.pos_of(id)?;
+        let r = *self.requests.req(pos);
         if let Some(home) = r.home {
-            let tokens = r.seq_tokens();
-            self.instances.slots[home as usize].drop_resident(tokens);
+            let inst = &mut self.instances.slots[home as usize];
+            inst.drop_resident(r.seq_tokens());
+            if r.in_flight {
+                inst.inflight.retain(|&h| h != r.handle);
+                inst.cancelled.push(id);
+            }
         }
-        self.requests.remove(slot);
+        self.requests.remove(pos);
         Ok(())
     }
 
@@ -65,40 +69,39 @@ impl Scheduler {
     ) -> Result<&[u64], SchedError> {
         let inst_slot = self.instances.slot_of(instance)?;
         self.check_report(inst_slot, measured_s, results)?;
-        self.instances.slots[inst_slot as usize].observe_step(measured_s);
+        let inst = &mut self.instances.slots[inst_slot as usize];
+        inst.observe_step(measured_s);
+        inst.inflight.clear();
+        inst.cancelled.clear();
+        inst.busy = false;
+        inst.inflight_tokens = 0;
         self.scratch.finished.clear();
         self.scratch.pending.clear();
         for i in 0..self.scratch.reported.len() {
-            let (slot, index) = self.scratch.reported[i];
+            let (pos, index) = self.scratch.reported[i];
             let result = &results[index];
-            let confidence = result.confidence;
-            let executed = self.commit(slot, result.committed, result.finished);
-            if let Some(conf) = confidence {
-                self.requests.confidence[slot as usize] = Some(conf);
+            if let Some(conf) = result.confidence {
+                let handle = self.requests.req(pos).handle;
+                self.requests.confidence[handle as usize] = Some(conf);
             }
-            match executed {
+            match self.commit(pos, result.committed, result.finished) {
                 Commit::Finished => {
-                    let r = &self.requests.slots[slot as usize];
-                    let (id, home, tokens) = (r.id, r.home, r.seq_tokens());
-                    if let Some(home) = home {
-                        self.instances.slots[home as usize].drop_resident(tokens);
+                    let r = *self.requests.req(pos);
+                    if let Some(home) = r.home {
+                        self.instances.slots[home as usize].drop_resident(r.seq_tokens());
                     }
-                    self.requests.remove(slot);
-                    self.scratch.finished.push(id);
+                    self.requests.remove(pos);
+                    self.scratch.finished.push(r.id);
                 }
-                Commit::Continues { was_full } => self.update_prediction(slot, was_full),
+                Commit::Continues { was_full } => self.update_prediction(pos, was_full),
             }
         }
-        let inst = &mut self.instances.slots[inst_slot as usize];
-        release_cancelled(&mut self.requests, &inst.inflight);
-        inst.inflight.clear();
-        inst.busy = false;
-        inst.inflight_tokens = 0;
         self.refresh_predictions();
         Ok(&self.scratch.finished)
     }
 
-    /// Validates a step report, leaving `(slot, result index)` pairs in `scratch.reported`.
+    /// Validates a step report, leaving `(position, result index)` pairs in
+    /// `scratch.reported`.
     fn check_report(
         &mut self,
         inst_slot: u32,
@@ -121,20 +124,12 @@ impl Scheduler {
         let reported = &mut self.scratch.reported;
         reported.clear();
         for (index, res) in results.iter().enumerate() {
-            let slot = match self.requests.slot_of(res.request) {
-                Ok(slot) => slot,
-                Err(e) => {
-                    let cancelled = inst.inflight.iter().any(|&s| {
-                        let r = &self.requests.slots[s as usize];
-                        !r.alive && r.id == res.request
-                    });
-                    if cancelled {
-                        continue;
-                    }
-                    return Err(e);
-                }
+            let pos = match self.requests.pos_of(res.request) {
+                Ok(pos) => pos,
+                Err(_) if inst.cancelled.contains(&res.request) => continue,
+                Err(e) => return Err(e),
             };
-            let r = &self.requests.slots[slot as usize];
+            let r = self.requests.req(pos);
             if !(r.in_flight && r.home == Some(inst_slot)) {
                 return Err(bad(format!("request {} is not in its batch", res.request)));
             }
@@ -154,36 +149,29 @@ impl Scheduler {
                     )));
                 }
             }
-            reported.push((slot, index));
+            reported.push((pos, index));
         }
         reported.sort_unstable();
         if let Some(w) = reported.windows(2).find(|w| w[0].0 == w[1].0) {
-            let id = self.requests.slots[w[0].0 as usize].id;
+            let id = self.requests.req(w[0].0).id;
             return Err(bad(format!("request {id} is reported twice")));
         }
-        let members = inst
-            .inflight
-            .iter()
-            .filter(|&&s| self.requests.slots[s as usize].alive)
-            .count();
-        if reported.len() != members {
+        if reported.len() != inst.inflight.len() {
             let missing = inst
                 .inflight
                 .iter()
-                .find(|&&s| {
-                    self.requests.slots[s as usize].alive
-                        && reported.binary_search_by_key(&s, |p| p.0).is_err()
-                })
-                .map_or(0, |&s| self.requests.slots[s as usize].id);
+                .map(|&h| self.requests.pos_of_handle(h))
+                .find(|&pos| reported.binary_search_by_key(&pos, |p| p.0).is_err())
+                .map_or(0, |pos| self.requests.req(pos).id);
             return Err(bad(format!("no result for request {missing} of its batch")));
         }
         Ok(())
     }
 
     /// Advances one request by a committed step.
-    fn commit(&mut self, slot: u32, committed: u32, eos: bool) -> Commit {
+    fn commit(&mut self, pos: u32, committed: u32, eos: bool) -> Commit {
         let caching = self.config.caching;
-        let r = &mut self.requests.slots[slot as usize];
+        let r = self.requests.req_mut(pos);
         let was_full = r.needs_recompute();
         r.in_flight = false;
         r.steps_done += 1;
@@ -206,33 +194,28 @@ impl Scheduler {
     }
 
     /// After a step: queue a fresh prediction, or count the step off the last one.
-    fn update_prediction(&mut self, slot: u32, was_full: bool) {
-        let steps_done = self.requests.slots[slot as usize].steps_done;
+    fn update_prediction(&mut self, pos: u32, was_full: bool) {
         if let Prediction::Online { every } = self.config.policy.prediction {
-            if steps_done % every == 0 {
-                self.scratch.pending.push(slot);
+            if self.requests.req(pos).steps_done % every == 0 {
+                self.scratch.pending.push(pos);
                 return;
             }
         }
-        for s in self.requests.steps_of_mut(slot) {
-            if was_full {
-                s.recompute = (s.recompute - 1.0).max(0.0);
-            } else {
-                s.cache = (s.cache - 1.0).max(0.0);
-            }
-        }
+        self.requests.count_step_off(pos, was_full);
     }
 
-    /// Runs the predictor once over every slot in `scratch.pending`.
+    /// Runs the predictor once over every position in `scratch.pending`.
     fn refresh_predictions(&mut self) {
         let scratch = &mut self.scratch;
         if scratch.pending.is_empty() {
             return;
         }
         let taus = &self.config.thresholds;
+        let requests = &mut self.requests;
         scratch.views.clear();
-        scratch.views.extend(scratch.pending.iter().map(|&slot| {
-            self.requests.slots[slot as usize].view(self.requests.confidence[slot as usize])
+        scratch.views.extend(scratch.pending.iter().map(|&pos| {
+            let r = requests.req(pos);
+            r.view(requests.confidence[r.handle as usize])
         }));
         scratch.predicted.clear();
         scratch
@@ -240,12 +223,12 @@ impl Scheduler {
             .resize(scratch.views.len() * taus.len(), Default::default());
         self.predictor
             .predict_batch(&scratch.views, taus, &mut scratch.predicted);
-        for (&slot, row) in scratch
+        for (&pos, row) in scratch
             .pending
             .iter()
             .zip(scratch.predicted.chunks_exact(taus.len()))
         {
-            self.requests.steps_of_mut(slot).copy_from_slice(row);
+            requests.set_steps(pos, row);
         }
         scratch.pending.clear();
     }
@@ -283,13 +266,14 @@ impl Scheduler {
     pub fn remove_instance(&mut self, id: u64) -> Result<(), SchedError> {
         let inst_slot = self.instances.slot_of(id)?;
         let inst = &mut self.instances.slots[inst_slot as usize];
-        release_cancelled(&mut self.requests, &inst.inflight);
         inst.inflight.clear();
+        inst.cancelled.clear();
         self.instances.remove(inst_slot);
         let caching = self.config.caching;
         let online = matches!(self.config.policy.prediction, Prediction::Online { .. });
         self.scratch.pending.clear();
-        for (slot, r) in self.requests.slots.iter_mut().enumerate() {
+        for pos in 0..self.requests.len() as u32 {
+            let r = self.requests.req_mut(pos);
             if r.alive && r.home == Some(inst_slot) {
                 r.home = None;
                 r.in_flight = false;
@@ -297,23 +281,13 @@ impl Scheduler {
                 if caching && r.next_kind == StepKind::Cache {
                     r.next_kind = StepKind::Recompute;
                     if online {
-                        self.scratch.pending.push(slot as u32);
+                        self.scratch.pending.push(pos);
                     }
                 }
             }
         }
         self.refresh_predictions();
         Ok(())
-    }
-}
-
-/// Frees the slots of batch members cancelled while their step ran.
-fn release_cancelled(requests: &mut RequestTable, batch: &[u32]) {
-    for &slot in batch {
-        let r = &requests.slots[slot as usize];
-        if !r.alive && r.in_flight {
-            requests.release(slot);
-        }
     }
 }
 

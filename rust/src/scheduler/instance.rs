@@ -30,8 +30,10 @@ pub(crate) struct Instance {
     pub group: usize,
     pub alive: bool,
     pub draining: bool,
-    /// Request slots of the step in flight (dead ones were cancelled meanwhile).
+    /// Request handles of the step in flight.
     pub inflight: Vec<u32>,
+    /// Ids of requests cancelled while in that step; their results are ignored.
+    pub cancelled: Vec<u64>,
     pub busy: bool,
     pub inflight_tokens: u64,
     pub started_at: f64,
@@ -139,6 +141,7 @@ impl InstanceTable {
             alive: true,
             draining: false,
             inflight: Vec::new(),
+            cancelled: Vec::new(),
             busy: false,
             inflight_tokens: 0,
             started_at: 0.0,

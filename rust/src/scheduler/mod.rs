@@ -117,7 +117,7 @@ impl Scheduler {
     ) -> Result<Self, SchedError> {
         let config = config.validated()?;
         Ok(Self {
-            requests: RequestTable::new(config.thresholds.len()),
+            requests: RequestTable::new(&config),
             config,
             profile,
             predictor,
@@ -157,9 +157,10 @@ impl Scheduler {
     }
 
     pub fn request(&self, id: u64) -> Result<RequestInfo, SchedError> {
-        let slot = self.requests.slot_of(id)?;
-        let r = &self.requests.slots[slot as usize];
+        let pos = self.requests.pos_of(id)?;
+        let r = self.requests.req(pos);
         let taus = &self.config.thresholds;
+        let allowed = self.requests.allowed()[pos as usize];
         Ok(RequestInfo {
             id,
             arrival: r.arrival,
@@ -176,18 +177,17 @@ impl Scheduler {
             next_kind: r.next_kind,
             in_flight: r.in_flight,
             allowed: (0..taus.len())
-                .filter(|k| r.allowed & (1 << k) != 0)
+                .filter(|k| allowed & (1 << k) != 0)
                 .map(|k| taus[k])
                 .collect(),
-            max_tau: taus[self.requests.caps[slot as usize] as usize],
+            max_tau: taus[usize::from(self.requests.caps()[pos as usize])],
             last_tau: (!r.tau.is_nan()).then_some(r.tau),
-            predictions: self.requests.steps_of(slot).to_vec(),
+            predictions: self.requests.steps_of(pos).to_vec(),
         })
     }
 
     pub fn instance(&self, id: u64) -> Result<InstanceInfo, SchedError> {
         let inst = &self.instances.slots[self.instances.slot_of(id)? as usize];
-        let requests = &self.requests.slots;
         Ok(InstanceInfo {
             id,
             tp: inst.tp,
@@ -197,9 +197,7 @@ impl Scheduler {
             batch: inst
                 .inflight
                 .iter()
-                .map(|&s| &requests[s as usize])
-                .filter(|r| r.alive)
-                .map(|r| r.id)
+                .map(|&h| self.requests.req(self.requests.pos_of_handle(h)).id)
                 .collect(),
             batch_tokens: if inst.busy { inst.inflight_tokens } else { 0 },
             predicted_finish: inst.busy.then(|| inst.predicted_finish()),

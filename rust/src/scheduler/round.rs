@@ -11,10 +11,10 @@ use super::decisions::{
 };
 use super::error::SchedError;
 use super::instance::Instance;
-use super::load_control::{request_load, LoadControl};
+use super::load_control::LoadControl;
 use super::placement::Placement;
 use super::predictor::{RequestView, StepsLeft};
-use super::request::{Request, RequestTable};
+use super::request::Request;
 use super::threshold::{capped, choose_threshold, StepPrices};
 use super::Scheduler;
 use crate::profile::StepKind;
@@ -25,11 +25,16 @@ pub(crate) struct RoundScratch {
     load: LoadControl,
     placement: Placement,
     throughput: Vec<f64>,
-    /// (instance slot, request slot, new to that instance) in dispatch order.
+    /// Ready requests free to move, by position, in load order.
+    free: Vec<u32>,
+    /// (instance slot, request position, new to that instance) in dispatch order.
     assigned: Vec<(u32, u32, bool)>,
-    /// Per instance: entries so far (then write cursor) while grouping into batches.
+    /// Step prices per instance slot (valid for instances that got a batch).
+    prices: Vec<StepPrices>,
+    /// Per instance: entries so far, then the write cursor while grouping into batches.
     cursor: Vec<usize>,
-    entry_slots: Vec<u32>,
+    /// Request handle of each entry, grouped like the entries.
+    entry_handles: Vec<u32>,
     /// Instance slot of each emitted batch.
     batch_slots: Vec<u32>,
     pub pending: Vec<u32>,
@@ -43,8 +48,8 @@ pub(crate) struct RoundScratch {
 enum Placing {
     /// Only on its current instance: its cache lives there, or migration is off.
     Stay(u32),
-    /// Anywhere accepting; `Some` names its current instance.
-    Free(Option<u32>),
+    /// Anywhere accepting.
+    Free,
 }
 
 impl Scheduler {
@@ -55,7 +60,7 @@ impl Scheduler {
         if !now.is_finite() {
             return Err(SchedError::BadTime(now));
         }
-        self.requests.compact();
+        self.requests.normalize();
         self.decisions.clear(now);
         if matches!(self.config.policy.threshold, ThresholdPolicy::SloAware)
             && self.config.policy.load_control
@@ -70,25 +75,18 @@ impl Scheduler {
 
     /// DESIGN §5: caps every active request's thresholds so worst-case load fits capacity.
     fn control_load(&mut self) {
-        let RequestTable {
-            slots,
-            steps,
-            caps,
-            order,
-            ..
-        } = &mut self.requests;
-        let n = order.len();
-        if n == 0 {
+        let live = self.requests.live();
+        if live == 0 {
             return;
         }
+        // Dead positions hold zeros, so these sums are over live requests, in load order.
         let (mut seq_sum, mut slo_sum) = (0.0, 0.0);
-        for &slot in order.iter() {
-            let r = &slots[slot as usize];
-            seq_sum += r.seq_tokens() as f64;
-            slo_sum += r.deadline - r.arrival;
+        for (seq, slo) in self.requests.seq_tokens().iter().zip(self.requests.slo()) {
+            seq_sum += seq;
+            slo_sum += slo;
         }
-        let window = self.config.slo_window_s.unwrap_or(slo_sum / n as f64);
-        let mean_seq = seq_sum / n as f64;
+        let window = self.config.slo_window_s.unwrap_or(slo_sum / live as f64);
+        let mean_seq = seq_sum / live as f64;
         let (block, max_tokens) = (self.config.block_size, self.config.max_batch_tokens);
         let throughput = &mut self.scratch.throughput;
         throughput.clear();
@@ -103,24 +101,15 @@ impl Scheduler {
                 capacity += throughput[inst.group] * window;
             }
         }
-        let caching = self.config.caching;
         let k = self.config.thresholds.len();
-        let load = |i: usize, t: usize| {
-            let slot = order[i] as usize;
-            let r = &slots[slot];
-            request_load(
-                steps[slot * k + t],
-                r.seq_tokens() as f64,
-                f64::from(r.block_size),
-                caching,
-            )
-        };
+        let n = self.requests.len();
+        let (allowed, loads, caps) = self.requests.load_lanes();
         self.scratch.load.run(
             n,
             capacity,
-            |i| slots[order[i] as usize].allowed,
-            load,
-            |i, t| caps[order[i] as usize] = t as u8,
+            |i| allowed[i],
+            |i, t| loads[i * k + t],
+            |i, t| caps[i] = t as u8,
         );
     }
 
@@ -138,26 +127,27 @@ impl Scheduler {
         let placement: &mut Placement = &mut scratch.placement;
         placement.begin(&instances.slots, groups.len(), config.max_batch_tokens);
         scratch.assigned.clear();
+        scratch.free.clear();
         let placing = |r: &Request, instances: &[Instance]| match r.home {
             Some(h) if config.caching && r.next_kind == StepKind::Cache => Placing::Stay(h),
             Some(h) if !config.policy.migration && !instances[h as usize].draining => {
                 Placing::Stay(h)
             }
-            other => Placing::Free(other),
+            _ => Placing::Free,
         };
 
-        for &slot in &requests.order {
-            let r = &requests.slots[slot as usize];
-            if r.in_flight {
+        for (pos, r) in requests.reqs().iter().enumerate() {
+            if !r.alive || r.in_flight {
                 continue;
             }
             let Placing::Stay(home) = placing(r, &instances.slots) else {
+                scratch.free.push(pos as u32);
                 continue;
             };
             let n = r.step_tokens();
             if placement.fits(home, n) {
                 placement.add_fixed(home, n, r.next_kind != StepKind::Cache);
-                scratch.assigned.push((home, slot, false));
+                scratch.assigned.push((home, pos as u32, false));
             } else {
                 let reason = if placement.open[home as usize] {
                     WaitReason::HomeFull
@@ -173,14 +163,8 @@ impl Scheduler {
 
         placement.build_heaps(&instances.slots);
         let choice = config.policy.instance_choice;
-        for &slot in &requests.order {
-            let r = &requests.slots[slot as usize];
-            if r.in_flight {
-                continue;
-            }
-            let Placing::Free(home) = placing(r, &instances.slots) else {
-                continue;
-            };
+        for &pos in &scratch.free {
+            let r = *requests.req(pos);
             let n = r.step_tokens();
             let Some(best) = placement.best(n, groups, choice) else {
                 let reason = if placement.targets == 0 {
@@ -196,21 +180,23 @@ impl Scheduler {
                 });
                 continue;
             };
-            let target = match home {
+            let to = instances.slots[best.slot as usize].id;
+            let target = match r.home {
                 Some(h) if h == best.slot => h,
                 Some(h) => {
                     let inst = &instances.slots[h as usize];
-                    let stays = !inst.draining
-                        && placement.fits(h, n)
-                        && placement.key(h, n, &groups[inst.group], choice) <= best.key;
-                    if stays {
+                    let home_fits = placement.fits(h, n);
+                    if !inst.draining
+                        && home_fits
+                        && placement.key(h, n, &groups[inst.group], choice) <= best.key
+                    {
                         h
                     } else {
                         let reason = if inst.draining {
                             MigrationReason::Draining
                         } else if !placement.open[h as usize] {
                             MigrationReason::HomeBusy
-                        } else if !placement.fits(h, n) {
+                        } else if !home_fits {
                             MigrationReason::HomeFull
                         } else {
                             MigrationReason::Rebalance
@@ -218,7 +204,7 @@ impl Scheduler {
                         decisions.migrations.push(Migration {
                             request: r.id,
                             from: inst.id,
-                            to: instances.slots[best.slot as usize].id,
+                            to,
                             reason,
                         });
                         best.slot
@@ -229,32 +215,30 @@ impl Scheduler {
                         decisions.migrations.push(Migration {
                             request: r.id,
                             from,
-                            to: instances.slots[best.slot as usize].id,
+                            to,
                             reason: MigrationReason::InstanceRemoved,
                         });
                     }
                     best.slot
                 }
             };
-            let group = instances.slots[target as usize].group;
-            placement.add_free(target, group, n);
-            let moved = home != Some(target);
+            placement.add_free(target, instances.slots[target as usize].group, n);
+            let moved = r.home != Some(target);
             if moved {
-                let tokens = r.seq_tokens();
-                if let Some(h) = home {
-                    instances.slots[h as usize].drop_resident(tokens);
+                if let Some(h) = r.home {
+                    instances.slots[h as usize].drop_resident(r.seq_tokens());
                 }
-                instances.slots[target as usize].add_resident(tokens);
-                let r = &mut requests.slots[slot as usize];
+                instances.slots[target as usize].add_resident(r.seq_tokens());
+                let r = requests.req_mut(pos);
                 r.home = Some(target);
                 r.displaced_from = None;
             }
-            scratch.assigned.push((target, slot, moved));
+            scratch.assigned.push((target, pos, moved));
         }
     }
 
-    /// Groups dispatched requests into per-instance batches, picks each step's threshold and
-    /// marks instances and requests in flight.
+    /// Picks each dispatched step's threshold, groups the steps into per-instance batches
+    /// and marks instances and requests in flight.
     fn emit_batches(&mut self, now: f64) {
         let Scheduler {
             config,
@@ -265,11 +249,13 @@ impl Scheduler {
             decisions,
             ..
         } = self;
+        let n_inst = instances.slots.len();
         scratch.cursor.clear();
-        scratch.cursor.resize(instances.slots.len(), 0);
+        scratch.cursor.resize(n_inst, 0);
         for &(inst, _, _) in &scratch.assigned {
             scratch.cursor[inst as usize] += 1;
         }
+        scratch.prices.resize(n_inst, StepPrices::default());
         scratch.batch_slots.clear();
         let mut start = 0;
         for (slot, inst) in instances.slots.iter_mut().enumerate() {
@@ -278,12 +264,14 @@ impl Scheduler {
             if len == 0 {
                 continue;
             }
+            let costs = &groups[inst.group];
             let tokens = scratch.placement.tokens[slot];
             let full = scratch.placement.full_tokens[slot];
             inst.busy = true;
             inst.inflight_tokens = tokens;
             inst.started_at = now;
-            inst.predicted_s = groups[inst.group].batch(full, tokens - full);
+            inst.predicted_s = costs.batch(full, tokens - full);
+            scratch.prices[slot] = step_prices(costs, inst, config.caching, config.block_size);
             decisions.batches.push(Batch {
                 instance: inst.id,
                 start,
@@ -294,6 +282,7 @@ impl Scheduler {
             scratch.batch_slots.push(slot as u32);
             start += len;
         }
+
         let placeholder = BatchEntry {
             request: 0,
             tau: f64::NAN,
@@ -304,47 +293,46 @@ impl Scheduler {
         decisions
             .entries
             .resize(scratch.assigned.len(), placeholder);
-        scratch.entry_slots.clear();
-        scratch.entry_slots.resize(scratch.assigned.len(), 0);
-        for &(inst_slot, slot, new_here) in &scratch.assigned {
-            let pos = scratch.cursor[inst_slot as usize];
-            scratch.cursor[inst_slot as usize] += 1;
-            let r = &requests.slots[slot as usize];
-            decisions.entries[pos] = BatchEntry {
+        scratch.entry_handles.clear();
+        scratch.entry_handles.resize(scratch.assigned.len(), 0);
+        for &(inst, pos, new_here) in &scratch.assigned {
+            let p = pos as usize;
+            let tau = match config.policy.threshold {
+                ThresholdPolicy::Fixed(tau) => tau,
+                ThresholdPolicy::SloAware => {
+                    let (allowed, caps, steps) = (
+                        requests.allowed()[p],
+                        requests.caps()[p],
+                        requests.steps_of(pos),
+                    );
+                    let r = requests.req(pos);
+                    let chosen = choose_threshold(
+                        capped(allowed, usize::from(caps)),
+                        steps,
+                        scratch.prices[inst as usize],
+                        r.deadline - now,
+                    );
+                    config.thresholds[chosen]
+                }
+            };
+            let at = scratch.cursor[inst as usize];
+            scratch.cursor[inst as usize] += 1;
+            let r = requests.req_mut(pos);
+            r.in_flight = true;
+            r.tau = tau;
+            decisions.entries[at] = BatchEntry {
                 request: r.id,
-                tau: f64::NAN,
+                tau,
                 kind: r.next_kind,
                 new_here,
             };
-            scratch.entry_slots[pos] = slot;
+            scratch.entry_handles[at] = r.handle;
         }
-        for (batch, &inst_slot) in decisions.batches.iter().zip(&scratch.batch_slots) {
-            let inst = &mut instances.slots[inst_slot as usize];
-            let members = &scratch.entry_slots[batch.start..batch.start + batch.len];
+        for (batch, &slot) in decisions.batches.iter().zip(&scratch.batch_slots) {
+            let inst = &mut instances.slots[slot as usize];
             inst.inflight.clear();
-            inst.inflight.extend_from_slice(members);
-            let prices = step_prices(&groups[inst.group], inst, config.caching, config.block_size);
-            let entries = &mut decisions.entries[batch.start..batch.start + batch.len];
-            for (entry, &slot) in entries.iter_mut().zip(members) {
-                let r = &mut requests.slots[slot as usize];
-                entry.tau = match config.policy.threshold {
-                    ThresholdPolicy::Fixed(tau) => tau,
-                    ThresholdPolicy::SloAware => {
-                        let cap = usize::from(requests.caps[slot as usize]);
-                        let steps = &requests.steps[slot as usize * config.thresholds.len()..]
-                            [..config.thresholds.len()];
-                        let k = choose_threshold(
-                            capped(r.allowed, cap),
-                            steps,
-                            prices,
-                            r.deadline - now,
-                        );
-                        config.thresholds[k]
-                    }
-                };
-                r.in_flight = true;
-                r.tau = entry.tau;
-            }
+            inst.inflight
+                .extend_from_slice(&scratch.entry_handles[batch.start..batch.start + batch.len]);
         }
     }
 }
