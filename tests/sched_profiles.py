@@ -1,0 +1,19 @@
+"""Latency profiles shared by the scheduler tests."""
+
+from __future__ import annotations
+
+from dilaserve.scheduler import LatencyProfile
+
+TP_SPEED = {1: 1.0, 2: 0.75, 4: 0.45}
+
+
+def make_profile(degrees: tuple[int, ...] = (1, 2, 4)) -> LatencyProfile:
+    """Full steps cost 20 ms + 20 µs/token on TP1, cache steps 5 ms + 10 µs/token; higher
+    degrees scale both down as DESIGN §2 reports for LLaDA-8B."""
+    tables = []
+    for tp in degrees:
+        speed = TP_SPEED[tp]
+        full = [(n, (0.02 + 2e-5 * n) * speed) for n in (64, 512, 4096, 16384)]
+        cache = [(n, (0.005 + 1e-5 * n) * speed) for n in (32, 256, 2048, 16384)]
+        tables += [(tp, "recompute", full), (tp, "no_cache", full), (tp, "cache", cache)]
+    return LatencyProfile.from_tables(tables)
