@@ -8,7 +8,13 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dilaserve.scheduler import Policy, Scheduler, SchedulerConfig, StepResult
+from dilaserve.scheduler import (
+    InvalidRequestError,
+    Policy,
+    Scheduler,
+    SchedulerConfig,
+    StepResult,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sched_profiles import make_profile
@@ -54,6 +60,7 @@ class Lockstep:
     rust: Scheduler
     ref: ReferenceScheduler
     caching: bool
+    max_tokens: int
     now: float = 0.0
     next_id: int = 0
     next_instance: int = 0
@@ -64,9 +71,10 @@ class Lockstep:
     dispatched: int = 0
     migrations: int = 0
 
-    def both(self, method: str, *args, **kwargs) -> object:
+    def both(self, method: str, *args, **kwargs) -> None:
+        """Rust first: the reference does no input checks, so it only sees accepted events."""
+        getattr(self.rust, method)(*args, **kwargs)
         getattr(self.ref, method)(*args, **kwargs)
-        return getattr(self.rust, method)(*args, **kwargs)
 
     def apply(self, op: tuple) -> None:
         kind = op[0]
@@ -74,18 +82,22 @@ class Lockstep:
             _, prompt, output, slo, priority, subset, offset = op
             taus = [t for k, t in enumerate((0.5, 0.6, 0.7, 0.8, 0.9)) if subset >> k & 1]
             arrival = self.now + offset
-            self.both(
-                "arrive",
-                self.next_id,
-                arrival=arrival,
-                deadline=arrival + slo,
-                prompt_len=prompt,
-                output_len=output,
-                priority=priority,
-                thresholds=taus or None,
-            )
-            self.live.append(self.next_id)
             self.next_id += 1
+            try:
+                self.both(
+                    "arrive",
+                    self.next_id,
+                    arrival=arrival,
+                    deadline=arrival + slo,
+                    prompt_len=prompt,
+                    output_len=output,
+                    priority=priority,
+                    thresholds=taus or None,
+                )
+            except InvalidRequestError:
+                assert prompt + -(-output // 32) * 32 > self.max_tokens
+                return
+            self.live.append(self.next_id)
         elif kind == "finish" and self.running:
             _, pick, commit, eos = op
             inst, members = self.running.pop(pick % len(self.running))
@@ -143,7 +155,8 @@ def test_rust_matches_reference(policy, caching, max_tokens, window, tps, trace)
         caching=caching, max_batch_tokens=max_tokens, slo_window_s=window, policy=policy
     )
     profile = make_profile()
-    run = Lockstep(Scheduler(profile, config), ReferenceScheduler(profile, config), caching)
+    ref = ReferenceScheduler(profile, config)
+    run = Lockstep(Scheduler(profile, config), ref, caching, max_tokens)
     for tp in tps:
         run.apply(("add", tp))
     for op in trace:
@@ -155,7 +168,7 @@ def test_long_trace_matches_reference() -> None:
     """A busy deterministic trace: hundreds of rounds with migrations, drains and removals."""
     profile = make_profile()
     config = SchedulerConfig(max_batch_tokens=3000, slo_window_s=2.0)
-    run = Lockstep(Scheduler(profile, config), ReferenceScheduler(profile, config), True)
+    run = Lockstep(Scheduler(profile, config), ReferenceScheduler(profile, config), True, 3000)
     for tp in (1, 2, 4, 1):
         run.apply(("add", tp))
     for step in range(300):

@@ -181,7 +181,7 @@ impl Scheduler {
                 .map(|k| taus[k])
                 .collect(),
             max_tau: taus[usize::from(self.requests.caps()[pos as usize])],
-            last_tau: (!r.tau.is_nan()).then_some(r.tau),
+            last_tau: Some(self.requests.last_tau(pos)).filter(|t| !t.is_nan()),
             predictions: self.requests.steps_of(pos).to_vec(),
         })
     }

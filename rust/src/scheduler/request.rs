@@ -69,8 +69,6 @@ pub(crate) struct Request {
     pub displaced_from: Option<u64>,
     pub in_flight: bool,
     pub alive: bool,
-    /// Threshold of the last dispatched step (NaN before the first).
-    pub tau: f64,
 }
 
 impl Request {
@@ -131,6 +129,8 @@ struct Columns {
     caps: Vec<u8>,
     seq_tokens: Vec<f64>,
     slo: Vec<f64>,
+    /// Threshold of the last dispatched step (NaN before the first).
+    last_tau: Vec<f64>,
 }
 
 /// Every live request, stored by *position* in load order so that a round streams through
@@ -179,6 +179,7 @@ impl RequestTable {
         self.cols.reqs.len()
     }
 
+    #[cfg(test)]
     pub fn reqs(&self) -> &[Request] {
         &self.cols.reqs
     }
@@ -189,6 +190,18 @@ impl RequestTable {
 
     pub fn req_mut(&mut self, pos: u32) -> &mut Request {
         &mut self.cols.reqs[pos as usize]
+    }
+
+    pub fn reqs_mut(&mut self) -> &mut [Request] {
+        &mut self.cols.reqs
+    }
+
+    pub fn last_tau(&self, pos: u32) -> f64 {
+        self.cols.last_tau[pos as usize]
+    }
+
+    pub fn set_last_tau(&mut self, pos: u32, tau: f64) {
+        self.cols.last_tau[pos as usize] = tau;
     }
 
     /// Position of the live request `id`.
@@ -331,7 +344,6 @@ impl RequestTable {
             displaced_from: None,
             in_flight: false,
             alive: true,
-            tau: f64::NAN,
         };
         let tokens = request.seq_tokens();
         if tokens > config.max_batch_tokens {
@@ -367,6 +379,7 @@ impl RequestTable {
         let c = &mut self.cols;
         c.seq_tokens.push(request.seq_tokens() as f64);
         c.slo.push(request.deadline - request.arrival);
+        c.last_tau.push(f64::NAN);
         c.reqs.push(request);
         c.allowed.push(allowed);
         c.caps.push((31 - allowed.leading_zeros()) as u8);
@@ -422,6 +435,7 @@ impl RequestTable {
         gather(&mut spare.caps, &cols.caps, perm, 1);
         gather(&mut spare.seq_tokens, &cols.seq_tokens, perm, 1);
         gather(&mut spare.slo, &cols.slo, perm, 1);
+        gather(&mut spare.last_tau, &cols.last_tau, perm, 1);
         gather(&mut spare.steps, &cols.steps, perm, k);
         gather(&mut spare.loads, &cols.loads, perm, k);
         std::mem::swap(&mut self.cols, &mut self.spare);

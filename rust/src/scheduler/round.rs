@@ -27,8 +27,8 @@ pub(crate) struct RoundScratch {
     throughput: Vec<f64>,
     /// Ready requests free to move, by position, in load order.
     free: Vec<u32>,
-    /// (instance slot, request position, new to that instance) in dispatch order.
-    assigned: Vec<(u32, u32, bool)>,
+    /// Dispatched steps in dispatch order.
+    assigned: Vec<Assignment>,
     /// Step prices per instance slot (valid for instances that got a batch).
     prices: Vec<StepPrices>,
     /// Per instance: entries so far, then the write cursor while grouping into batches.
@@ -42,6 +42,32 @@ pub(crate) struct RoundScratch {
     pub predicted: Vec<StepsLeft>,
     pub reported: Vec<(u32, usize)>,
     pub finished: Vec<u64>,
+}
+
+/// One dispatched step, with what emission needs copied while the request is in cache.
+#[derive(Clone, Copy, Debug)]
+struct Assignment {
+    inst: u32,
+    pos: u32,
+    handle: u32,
+    new_here: bool,
+    kind: StepKind,
+    request: u64,
+    slo_left: f64,
+}
+
+impl Assignment {
+    fn new(inst: u32, pos: u32, r: &Request, new_here: bool, now: f64) -> Self {
+        Self {
+            inst,
+            pos,
+            handle: r.handle,
+            new_here,
+            kind: r.next_kind,
+            request: r.id,
+            slo_left: r.deadline - now,
+        }
+    }
 }
 
 /// Where a ready request may run its next step.
@@ -67,7 +93,7 @@ impl Scheduler {
         {
             self.control_load();
         }
-        self.place();
+        self.place(now);
         self.emit_batches(now);
         self.decisions.elapsed_s = start.elapsed().as_secs_f64();
         Ok(&self.decisions)
@@ -114,7 +140,7 @@ impl Scheduler {
     }
 
     /// DESIGN §6: puts every ready request in an instance's next batch or records why it waits.
-    fn place(&mut self) {
+    fn place(&mut self, now: f64) {
         let Scheduler {
             config,
             requests,
@@ -136,7 +162,7 @@ impl Scheduler {
             _ => Placing::Free,
         };
 
-        for (pos, r) in requests.reqs().iter().enumerate() {
+        for (pos, r) in requests.reqs_mut().iter_mut().enumerate() {
             if !r.alive || r.in_flight {
                 continue;
             }
@@ -147,7 +173,10 @@ impl Scheduler {
             let n = r.step_tokens();
             if placement.fits(home, n) {
                 placement.add_fixed(home, n, r.next_kind != StepKind::Cache);
-                scratch.assigned.push((home, pos as u32, false));
+                r.in_flight = true;
+                scratch
+                    .assigned
+                    .push(Assignment::new(home, pos as u32, r, false, now));
             } else {
                 let reason = if placement.open[home as usize] {
                     WaitReason::HomeFull
@@ -229,11 +258,14 @@ impl Scheduler {
                     instances.slots[h as usize].drop_resident(r.seq_tokens());
                 }
                 instances.slots[target as usize].add_resident(r.seq_tokens());
-                let r = requests.req_mut(pos);
-                r.home = Some(target);
-                r.displaced_from = None;
             }
-            scratch.assigned.push((target, pos, moved));
+            let r = requests.req_mut(pos);
+            r.in_flight = true;
+            r.home = Some(target);
+            r.displaced_from = None;
+            scratch
+                .assigned
+                .push(Assignment::new(target, pos, r, moved, now));
         }
     }
 
@@ -252,8 +284,8 @@ impl Scheduler {
         let n_inst = instances.slots.len();
         scratch.cursor.clear();
         scratch.cursor.resize(n_inst, 0);
-        for &(inst, _, _) in &scratch.assigned {
-            scratch.cursor[inst as usize] += 1;
+        for a in &scratch.assigned {
+            scratch.cursor[a.inst as usize] += 1;
         }
         scratch.prices.resize(n_inst, StepPrices::default());
         scratch.batch_slots.clear();
@@ -295,38 +327,27 @@ impl Scheduler {
             .resize(scratch.assigned.len(), placeholder);
         scratch.entry_handles.clear();
         scratch.entry_handles.resize(scratch.assigned.len(), 0);
-        for &(inst, pos, new_here) in &scratch.assigned {
-            let p = pos as usize;
+        for a in &scratch.assigned {
+            let p = a.pos as usize;
             let tau = match config.policy.threshold {
                 ThresholdPolicy::Fixed(tau) => tau,
                 ThresholdPolicy::SloAware => {
-                    let (allowed, caps, steps) = (
-                        requests.allowed()[p],
-                        requests.caps()[p],
-                        requests.steps_of(pos),
-                    );
-                    let r = requests.req(pos);
-                    let chosen = choose_threshold(
-                        capped(allowed, usize::from(caps)),
-                        steps,
-                        scratch.prices[inst as usize],
-                        r.deadline - now,
-                    );
-                    config.thresholds[chosen]
+                    let mask = capped(requests.allowed()[p], usize::from(requests.caps()[p]));
+                    let steps = requests.steps_of(a.pos);
+                    let prices = scratch.prices[a.inst as usize];
+                    config.thresholds[choose_threshold(mask, steps, prices, a.slo_left)]
                 }
             };
-            let at = scratch.cursor[inst as usize];
-            scratch.cursor[inst as usize] += 1;
-            let r = requests.req_mut(pos);
-            r.in_flight = true;
-            r.tau = tau;
+            requests.set_last_tau(a.pos, tau);
+            let at = scratch.cursor[a.inst as usize];
+            scratch.cursor[a.inst as usize] += 1;
             decisions.entries[at] = BatchEntry {
-                request: r.id,
+                request: a.request,
                 tau,
-                kind: r.next_kind,
-                new_here,
+                kind: a.kind,
+                new_here: a.new_here,
             };
-            scratch.entry_handles[at] = r.handle;
+            scratch.entry_handles[at] = a.handle;
         }
         for (batch, &slot) in decisions.batches.iter().zip(&scratch.batch_slots) {
             let inst = &mut instances.slots[slot as usize];
