@@ -192,10 +192,23 @@ impl Scheduler {
 
         placement.build_heaps(&instances.slots);
         let choice = config.policy.instance_choice;
+        // Instances only fill up during a round: once no instance fits `n` tokens, none fits
+        // more, so later requests that large wait without searching.
+        let mut no_fit = if placement.accepting == 0 {
+            0
+        } else {
+            u64::MAX
+        };
         for &pos in &scratch.free {
             let r = *requests.req(pos);
             let n = r.step_tokens();
-            let Some(best) = placement.best(n, groups, choice) else {
+            let best = if n >= no_fit {
+                None
+            } else {
+                placement.best(n, groups, choice)
+            };
+            let Some(best) = best else {
+                no_fit = no_fit.min(n);
                 let reason = if placement.targets == 0 {
                     WaitReason::NoInstance
                 } else if placement.accepting == 0 {
