@@ -5,7 +5,7 @@ use super::config::Prediction;
 use super::cost::DegreeCosts;
 use super::error::SchedError;
 use super::instance::InstanceSpec;
-use super::request::RequestSpec;
+use super::request::{Request, RequestSpec};
 use super::Scheduler;
 use crate::profile::StepKind;
 
@@ -35,7 +35,10 @@ impl StepResult {
 impl Scheduler {
     /// Admits a new request; it is ready for the next round.
     pub fn arrive(&mut self, spec: RequestSpec) -> Result<(), SchedError> {
-        let (request, allowed) = self.requests.build(&spec, &self.config)?;
+        if self.requests.contains(spec.id) {
+            return Err(SchedError::DuplicateRequest(spec.id));
+        }
+        let (request, allowed) = Request::from_spec(&spec, &self.config, self.requests.next_seq())?;
         let pos = self.requests.insert(request, allowed);
         self.scratch.pending.clear();
         self.scratch.pending.push(pos);

@@ -16,6 +16,7 @@ mod load_control;
 mod placement;
 mod predictor;
 mod request;
+mod request_table;
 mod round;
 mod threshold;
 
@@ -23,6 +24,8 @@ mod threshold;
 mod proptests;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_lifecycle;
 
 pub use config::{
     InstanceChoice, LoadOrder, Policy, Prediction, SchedulerConfig, ThresholdPolicy, MAX_THRESHOLDS,
@@ -41,7 +44,7 @@ pub use threshold::{choose_threshold, StepPrices};
 
 use crate::profile::{LatencyProfile, StepKind};
 use instance::InstanceTable;
-use request::RequestTable;
+use request_table::RequestTable;
 use round::RoundScratch;
 
 /// A request's state as seen from outside.
