@@ -99,7 +99,8 @@ impl DegreeCosts {
     ///
     /// Without caching: the best `b / LP(b)` within the batch budget. With caching, the
     /// per-block mix of DESIGN §5: `max_seqs` requests of `mean_seq_tokens` each run
-    /// `B − 1` cache steps and one recompute step per block.
+    /// `B − 1` cache steps and one recompute step per block, where *(ours)* `max_seqs` is
+    /// how many mean-length sequences fit the batch budget.
     pub fn throughput(&self, mean_seq_tokens: f64, block: u32, max_batch_tokens: u64) -> f64 {
         let Some(cache) = &self.cache else {
             return self.full_throughput;

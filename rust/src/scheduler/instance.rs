@@ -1,5 +1,6 @@
 //! Instance state: identity and placement, the batch in flight, the requests it holds, and
-//! a measured-over-predicted step-time factor that corrects the profile online.
+//! *(ours)* a measured-over-predicted step-time factor that corrects the profile online for
+//! threshold choice and finish-time predictions.
 
 use std::collections::HashMap;
 

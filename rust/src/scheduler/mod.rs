@@ -5,6 +5,10 @@
 //! round — load control, instance choice, threshold choice — and returns the next batch of
 //! every idle instance, every migration and why each undispatched ready request waits.
 //! The same inputs always give the same decisions.
+//!
+//! *(ours)* A round only fills idle instances: an instance gets its next batch once its
+//! step is reported, so a request's next step always sees where its state now lives. A
+//! request free to move stays on its instance unless another one is strictly better.
 
 mod config;
 mod cost;
