@@ -24,8 +24,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dilaserve.scheduler import LatencyProfile, Scheduler, SchedulerConfig, StepResult  # noqa: E402
 from sched_reference import ReferenceScheduler, assert_same  # noqa: E402
+
+from dilaserve.scheduler import LatencyProfile, Scheduler, SchedulerConfig, StepResult  # noqa: E402
 
 TP_SPEED = {1: 1.0, 2: 0.75, 4: 0.45}  # DESIGN §2: TP2 -25 %, TP4 -55 % per step
 BLOCK = 32

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from sched_profiles import make_profile
+
 from dilaserve import _core
 from dilaserve.scheduler import (
     Batch,
@@ -27,7 +29,6 @@ from dilaserve.scheduler import (
     UnknownRequestError,
     Waiting,
 )
-from sched_profiles import make_profile
 
 
 @pytest.fixture

@@ -8,6 +8,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sched_profiles import make_profile
+
 from dilaserve.scheduler import (
     InvalidRequestError,
     Policy,
@@ -15,9 +19,6 @@ from dilaserve.scheduler import (
     SchedulerConfig,
     StepResult,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from sched_profiles import make_profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benches"))
 from sched_reference import ReferenceScheduler, assert_same  # noqa: E402
