@@ -76,10 +76,14 @@ def scatter_kv_reference(
 
 
 def gather_kv_reference(cache: torch.Tensor, rows: torch.Tensor, length: int) -> torch.Tensor:
-    """cache[rows, :, :length, :] (torch)."""
+    """cache[rows, :, :length, :] (torch); a view of the cache when the rows are consecutive."""
     _check_gather(cache, rows, length)
     # Narrow first: copying whole slots would cost max_len, not length, per row.
-    return cache[:, :, :length, :].index_select(0, rows)
+    window = cache[:, :, :length, :]
+    first = int(rows[0])
+    if torch.equal(rows, torch.arange(first, first + rows.numel(), device=rows.device)):
+        return window[first : first + rows.numel()]  # consecutive slots: a view, no copy
+    return window.index_select(0, rows)
 
 
 if triton is not None:

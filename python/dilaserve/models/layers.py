@@ -89,11 +89,11 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        key_mask: torch.Tensor,
+        key_mask: torch.Tensor | None,
         layer: int,
         cache: CacheAccess | None,
     ) -> torch.Tensor:
-        """`key_mask` `[b, 1, 1, keys]` is true for keys a row may attend to."""
+        """`key_mask` `[b, 1, 1, keys]` is true for keys a row may attend to (None: all)."""
         b, n, _ = x.shape
         q = self.q(x).view(b, n, self.heads, self.head_dim).transpose(1, 2)
         k = self.k(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -132,7 +132,7 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        key_mask: torch.Tensor,
+        key_mask: torch.Tensor | None,
         layer: int,
         cache: CacheAccess | None,
     ) -> torch.Tensor:

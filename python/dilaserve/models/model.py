@@ -99,7 +99,7 @@ class DiffusionLM(nn.Module):
         cache_rows: torch.Tensor | None,
         cache_mode: CacheAccessMode,
         cache_len: torch.Tensor | None,
-    ) -> tuple[CacheAccess | None, torch.Tensor]:
+    ) -> tuple[CacheAccess | None, torch.Tensor | None]:
         """The cache access of this forward and the boolean key mask `[b, 1, 1, keys]`."""
         if input_ids.dim() != 2 or positions.shape != input_ids.shape:
             raise ValueError(
@@ -109,25 +109,29 @@ class DiffusionLM(nn.Module):
         if valid.shape != input_ids.shape or valid.dtype != torch.bool:
             raise ValueError(f"valid must be a bool [b, n] tensor; got {valid.dtype} {valid.shape}")
         if cache_mode == "off":
-            return None, _never_empty(valid[:, None, None, :])
+            return None, _key_mask(valid[:, None, None, :])
         if cache_mode not in ("write", "read"):
             raise ValueError(f"cache_mode must be 'off', 'write' or 'read', not {cache_mode!r}")
         if cache is None or cache_rows is None:
             raise ValueError(f"cache_mode={cache_mode!r} needs cache and cache_rows")
         if cache_mode == "write":
-            return CacheAccess(cache, cache_rows, positions, valid, None), _never_empty(
+            return CacheAccess(cache, cache_rows, positions, valid, None), _key_mask(
                 valid[:, None, None, :]
             )
         if cache_len is None:
             raise ValueError("cache_mode='read' needs cache_len")
         length = int(cache_len.max())
         keys = torch.arange(length, device=cache_len.device)[None, :] < cache_len[:, None]
-        return CacheAccess(cache, cache_rows, positions, valid, length), _never_empty(
+        return CacheAccess(cache, cache_rows, positions, valid, length), _key_mask(
             keys[:, None, None, :]
         )
 
 
-def _never_empty(mask: torch.Tensor) -> torch.Tensor:
-    """A row with no key at all (pure padding) attends to every key instead of producing
-    NaN; its outputs are meaningless but finite and never mix into other rows."""
+def _key_mask(mask: torch.Tensor) -> torch.Tensor | None:
+    """The attention mask for `mask` `[b, 1, 1, keys]`: None when every key is visible (the
+    unmasked attention path is faster). A row with no key at all (pure padding) attends to
+    every key instead of producing NaN; its outputs are meaningless but finite and never mix
+    into other rows."""
+    if bool(mask.all()):
+        return None
     return mask | ~mask.any(dim=-1, keepdim=True)
