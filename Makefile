@@ -2,10 +2,14 @@
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/dilaserve/target
 PYTHON ?= python3
 
-.PHONY: install run test test-rust test-python lint bench
+.PHONY: build-deps install run test test-rust test-python lint bench
+
+# cmake and libclang for the HiGHS build (installed from Debian if missing).
+build-deps:
+	.ci/build-deps
 
 # Editable install with test extras; pip skips what is already installed (torch is large).
-install:
+install: build-deps
 	$(PYTHON) -m pip install -e '.[test]'
 
 # The main job. Until the HTTP server exists it profiles a small random LLaDA-format
@@ -18,15 +22,16 @@ run:
 
 test: install test-rust test-python
 
-test-rust:
-	cargo test --release
+# Both MILP backends, so the HiGHS/microlp agreement tests run too.
+test-rust: build-deps
+	cargo test --release --features microlp
 
 test-python:
 	$(PYTHON) -m pytest -q
 
 lint:
 	cargo fmt --check
-	cargo clippy --all-targets --features python -- -D warnings
+	cargo clippy --all-targets --features python,microlp -- -D warnings
 	$(PYTHON) -m ruff check python tests benches kernels
 	$(PYTHON) -m ruff format --check python tests benches kernels
 

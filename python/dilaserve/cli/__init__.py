@@ -6,10 +6,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from dilaserve.cli import profile
+from dilaserve.cli import plan, profile
 
 # Each module registers its subcommand; adding a command is one file and one line here.
-COMMANDS = [profile]
+COMMANDS = [profile, plan]
 
 
 def build_parser() -> argparse.ArgumentParser:

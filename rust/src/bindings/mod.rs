@@ -3,11 +3,13 @@
 use pyo3::prelude::*;
 
 mod decisions;
+mod planner;
 mod profile;
 mod scheduler;
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     profile::register(m)?;
     scheduler::register(m)?;
-    decisions::register(m)
+    decisions::register(m)?;
+    planner::register(m)
 }

@@ -1,0 +1,177 @@
+"""`dilaserve plan`: the capacity and transition plan for a window of a request trace."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from dataclasses import asdict
+from datetime import datetime
+from pathlib import Path
+
+from dilaserve.planner import (
+    FAST_DLLM_THRESHOLDS,
+    Arrival,
+    BinSpec,
+    LatencyProfile,
+    LaunchAction,
+    Plan,
+    PlannerConfig,
+    PlannerInputs,
+    PlannerSolveError,
+    classes_from_arrivals,
+    mean_isolated_latency,
+    plan,
+)
+from dilaserve.profiles import SIMULATED_LLADA8B
+
+ALL_DEGREES = (1, 2, 4, 8)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="plan TP instances, batch sizes and thresholds for a trace window",
+        description=(
+            "Bin a window of a request trace into classes, solve the two-stage "
+            "reconfiguration ILP (DESIGN §7) and print the plan."
+        ),
+    )
+    p.add_argument(
+        "--profile",
+        type=Path,
+        default=SIMULATED_LLADA8B,
+        help="latency profile JSON (default: the shipped simulated LLaDA-8B/H100 profile)",
+    )
+    p.add_argument(
+        "--trace",
+        type=Path,
+        required=True,
+        help="CSV with TIMESTAMP, ContextTokens, GeneratedTokens",
+    )
+    p.add_argument("--nodes", type=int, default=4)
+    p.add_argument("--gpus-per-node", type=int, default=4)
+    p.add_argument(
+        "--slo-scale",
+        type=float,
+        default=5.0,
+        help="SLO as a multiple of the mean latency of a request alone on TP-1",
+    )
+    p.add_argument(
+        "--window-start", type=float, default=0.0, help="seconds after the first arrival"
+    )
+    p.add_argument("--window", type=float, default=300.0, help="window length in seconds")
+    p.add_argument(
+        "--degrees", type=_ints, help="comma-separated TP degrees (default: 1,2,4,8 that fit)"
+    )
+    p.add_argument("--batch-tokens", type=_ints, help="comma-separated candidate batch sizes")
+    p.add_argument("--caching", action="store_true", help="plan for the approximate KV cache")
+    p.add_argument("--prompt-bins", type=int, default=2)
+    p.add_argument("--output-bins", type=int, default=4)
+    p.add_argument("--rate-margin", type=float, default=0.10)
+    p.add_argument("--solver", choices=["highs", "microlp"], default="highs")
+    p.add_argument("--time-limit", type=float, default=10.0, help="seconds")
+    p.add_argument("--mip-gap", type=float, default=1e-4)
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(run=run)
+
+
+def read_trace(path: Path) -> list[Arrival]:
+    """Arrivals of an Azure-LLM-style CSV, times in seconds after the first arrival."""
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    needed = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"}
+    if not rows or not needed <= set(rows[0]):
+        raise ValueError(f"{path}: expected a CSV with columns {sorted(needed)}")
+    try:
+        stamps = [datetime.fromisoformat(r["TIMESTAMP"]).timestamp() for r in rows]
+        first = min(stamps)
+        return [
+            Arrival(t - first, int(r["ContextTokens"]), int(r["GeneratedTokens"]))
+            for t, r in zip(stamps, rows, strict=True)
+        ]
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
+
+
+def _format(result: Plan, slo: float) -> str:
+    cap = result.capacity
+    lines = [f"SLO {slo:.2f} s; solve {cap.status}, stage 1 {result.stage1_seconds * 1e3:.0f} ms"]
+    if cap.overloaded:
+        lines.append(
+            f"OVERLOADED: the cluster sustains {cap.value.sustained_load:.1%} of the load "
+            "at the lowest threshold"
+        )
+    lines.append(
+        f"mean threshold {cap.value.quality:.3f}, latency slack "
+        f"{cap.value.latency_slack:.1f} req·s/s, headroom ×{cap.headroom:.2f}"
+    )
+    for d in cap.degrees:
+        if d.instances:
+            batch = d.batch_tokens if d.batch_tokens is not None else "-"
+            lines.append(
+                f"  TP-{d.degree}: {d.instances} instances, batch {batch} tokens, "
+                f"utilisation {d.utilisation:.0%}"
+            )
+    header = " ".join(f"{t:>5.2f}" for t in cap.thresholds)
+    lines.append(f"  class threshold mix [{header}]  latency")
+    for i, c in enumerate(cap.classes):
+        mix = " ".join(f"{max(m, 0.0):>5.2f}" for m in c.threshold_mix)
+        mark = "" if c.slo_reachable else "  (SLO unreachable)"
+        lines.append(f"  {i:>5}               [{mix}]  {c.latency_seconds:6.2f} s{mark}")
+    lines.append(f"{'adopted' if result.adopted else 'not adopted'}: {result.reason}")
+    if result.transition is not None:
+        for a in result.transition.actions:
+            verb = f"launch TP-{a.degree}" if isinstance(a, LaunchAction) else f"stop #{a.instance}"
+            lines.append(f"  {verb} on node {a.node} GPUs {list(a.gpus)}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.nodes <= 0 or args.gpus_per_node <= 0:
+        raise ValueError("--nodes and --gpus-per-node must be positive")
+    profile = LatencyProfile.load(args.profile)
+    arrivals = read_trace(args.trace)
+    start = args.window_start
+    classes = classes_from_arrivals(
+        arrivals,
+        start,
+        start + args.window,
+        BinSpec(args.prompt_bins, args.output_bins, args.rate_margin),
+    )
+    window = [a for a in arrivals if start <= a.time < start + args.window]
+    top = max(FAST_DLLM_THRESHOLDS, key=lambda t: t.threshold)
+    alone = mean_isolated_latency(
+        profile, window, top.tokens_per_step, args.caching, profile.block_length or 32
+    )
+    degrees = args.degrees or tuple(d for d in ALL_DEGREES if d <= args.gpus_per_node)
+    config = PlannerConfig(
+        slo_seconds=args.slo_scale * alone,
+        degrees=degrees,
+        caching=args.caching,
+        block_length=profile.block_length or 32,
+        time_limit_seconds=args.time_limit,
+        mip_gap=args.mip_gap,
+        solver=args.solver,
+        **({"batch_tokens": args.batch_tokens} if args.batch_tokens else {}),
+    )
+    inputs = PlannerInputs(classes, [args.gpus_per_node] * args.nodes, config)
+    try:
+        result = plan(inputs, profile)
+    except PlannerSolveError as e:
+        print(f"dilaserve plan: solver error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(asdict(result), indent=2))
+    else:
+        print(
+            f"{len(window)} requests in [{start:.0f}, {start + args.window:.0f}) s -> "
+            f"{len(classes)} classes, {args.nodes} × {args.gpus_per_node} GPUs"
+        )
+        print(_format(result, config.slo_seconds))
+    return 0

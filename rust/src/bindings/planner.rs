@@ -1,0 +1,152 @@
+//! Python view of the cluster planner. Inputs and plans cross the boundary as JSON (the
+//! serde form of the Rust types), which `dilaserve.planner` wraps in typed dataclasses;
+//! solving releases the GIL.
+
+use pyo3::create_exception;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+
+use super::profile::PyLatencyProfile;
+use crate::planner::{
+    self, Arrival, BinSpec, PlannerError, PlannerInputs, SolverKind, ThresholdOption,
+};
+
+create_exception!(
+    dilaserve._core,
+    PlannerInputError,
+    PyValueError,
+    "The planner's inputs are invalid: no GPUs, no request classes, a bad setting, ..."
+);
+create_exception!(
+    dilaserve._core,
+    PlannerSolveError,
+    PyRuntimeError,
+    "The MILP solver failed or is not compiled in."
+);
+
+fn to_py(e: PlannerError) -> PyErr {
+    match e {
+        PlannerError::Profile(p) => p.into(),
+        PlannerError::Solver { .. } | PlannerError::SolverUnavailable(_) => {
+            PlannerSolveError::new_err(e.to_string())
+        }
+        other => PlannerInputError::new_err(other.to_string()),
+    }
+}
+
+fn arrivals(raw: Vec<(f64, u64, u64)>) -> Vec<Arrival> {
+    raw.into_iter()
+        .map(|(time, prompt_tokens, output_tokens)| Arrival {
+            time,
+            prompt_tokens,
+            output_tokens,
+        })
+        .collect()
+}
+
+fn parse_inputs(inputs_json: &str) -> PyResult<PlannerInputs> {
+    serde_json::from_str(inputs_json)
+        .map_err(|e| PlannerInputError::new_err(format!("planner inputs are malformed: {e}")))
+}
+
+fn to_json<T: serde::Serialize>(value: &T) -> PyResult<String> {
+    serde_json::to_string(value).map_err(|e| PlannerSolveError::new_err(e.to_string()))
+}
+
+/// Runs both stages and the adoption rule; JSON in, JSON out.
+#[pyfunction]
+fn plan_json(
+    py: Python<'_>,
+    inputs_json: &str,
+    profile: &Bound<'_, PyLatencyProfile>,
+) -> PyResult<String> {
+    let inputs = parse_inputs(inputs_json)?;
+    let profile = &profile.get().inner;
+    let plan = py
+        .detach(|| planner::plan(&inputs, profile))
+        .map_err(to_py)?;
+    to_json(&plan)
+}
+
+/// Stage 1 only; JSON in, JSON out.
+#[pyfunction]
+fn plan_capacity_json(
+    py: Python<'_>,
+    inputs_json: &str,
+    profile: &Bound<'_, PyLatencyProfile>,
+) -> PyResult<String> {
+    let inputs = parse_inputs(inputs_json)?;
+    let profile = &profile.get().inner;
+    let plan = py
+        .detach(|| planner::plan_capacity(&inputs, profile))
+        .map_err(to_py)?;
+    to_json(&plan)
+}
+
+/// Bins `(time, prompt tokens, output tokens)` arrivals of `[start, end)` into
+/// `(prompt tokens, output tokens, rate)` classes.
+#[pyfunction]
+fn classes_from_arrivals(
+    arrivals_raw: Vec<(f64, u64, u64)>,
+    start: f64,
+    end: f64,
+    prompt_bins: usize,
+    output_bins: usize,
+    rate_margin: f64,
+) -> PyResult<Vec<(f64, f64, f64)>> {
+    let spec = BinSpec {
+        prompt_bins,
+        output_bins,
+        rate_margin,
+    };
+    let classes = planner::classes_from_arrivals(&arrivals(arrivals_raw), start, end, &spec)
+        .map_err(to_py)?;
+    Ok(classes
+        .into_iter()
+        .map(|c| (c.prompt_tokens, c.output_tokens, c.rate))
+        .collect())
+}
+
+/// Mean seconds a request takes alone on TP-1 at `tokens_per_step` tokens per step.
+#[pyfunction]
+fn mean_isolated_latency(
+    profile: &Bound<'_, PyLatencyProfile>,
+    arrivals_raw: Vec<(f64, u64, u64)>,
+    tokens_per_step: f64,
+    caching: bool,
+    block_length: u32,
+) -> PyResult<f64> {
+    let top = ThresholdOption {
+        threshold: 1.0,
+        tokens_per_step,
+    };
+    planner::mean_isolated_latency(
+        &profile.get().inner,
+        &arrivals(arrivals_raw),
+        top,
+        caching,
+        block_length,
+    )
+    .map_err(to_py)
+}
+
+/// Names of the MILP backends compiled in.
+#[pyfunction]
+fn planner_solvers() -> Vec<&'static str> {
+    [SolverKind::Highs, SolverKind::Microlp]
+        .into_iter()
+        .filter(|&s| planner::solver_available(s))
+        .map(SolverKind::as_str)
+        .collect()
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(plan_json, m)?)?;
+    m.add_function(wrap_pyfunction!(plan_capacity_json, m)?)?;
+    m.add_function(wrap_pyfunction!(classes_from_arrivals, m)?)?;
+    m.add_function(wrap_pyfunction!(mean_isolated_latency, m)?)?;
+    m.add_function(wrap_pyfunction!(planner_solvers, m)?)?;
+    m.add("PlannerInputError", m.py().get_type::<PlannerInputError>())?;
+    m.add("PlannerSolveError", m.py().get_type::<PlannerSolveError>())?;
+    Ok(())
+}

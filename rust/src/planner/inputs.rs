@@ -1,0 +1,511 @@
+//! What the planner is asked (DESIGN §7 inputs) and its validation into a `Problem`, the
+//! derived per-class and per-(degree, batch) numbers every stage reads. Validation is the
+//! only place that looks at raw input, so the models never meet a NaN or an empty list.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::{Deserialize, Serialize};
+
+use super::error::PlannerError;
+use crate::profile::{LatencyProfile, StepKind};
+
+/// Requests of similar prompt and output length, arriving at `rate` per second (safety
+/// margin already applied).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RequestClass {
+    pub prompt_tokens: f64,
+    pub output_tokens: f64,
+    pub rate: f64,
+}
+
+/// A candidate confidence threshold and the mean tokens committed per step at it (`T_c`).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ThresholdOption {
+    pub threshold: f64,
+    pub tokens_per_step: f64,
+}
+
+/// A running instance: a TP group of `degree` GPUs on one node.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Instance {
+    pub node: usize,
+    pub degree: u32,
+    pub gpus: Vec<u32>,
+}
+
+/// What the cluster runs now: its instances and the batch size (tokens per forward) each
+/// TP degree runs at.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Deployment {
+    pub instances: Vec<Instance>,
+    #[serde(default)]
+    pub batch_tokens: BTreeMap<u32, u64>,
+}
+
+/// The MILP backend; both may be compiled in, HiGHS is the default.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SolverKind {
+    #[default]
+    Highs,
+    Microlp,
+}
+
+impl SolverKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SolverKind::Highs => "highs",
+            SolverKind::Microlp => "microlp",
+        }
+    }
+}
+
+fn default_time_limit() -> f64 {
+    10.0
+}
+
+fn default_mip_gap() -> f64 {
+    1e-4
+}
+
+fn default_min_improvement() -> f64 {
+    0.10
+}
+
+fn default_block_length() -> u32 {
+    32
+}
+
+/// Planner settings: the SLO and the choices the capacity plan ranges over.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PlannerConfig {
+    /// End-to-end latency target of every request, in seconds.
+    pub slo_seconds: f64,
+    /// TP degrees an instance may have.
+    pub degrees: Vec<u32>,
+    /// Candidate batch sizes in tokens per forward; each degree runs at one of them.
+    pub batch_tokens: Vec<u64>,
+    /// Whether workers run the approximate KV cache (recompute + cache steps).
+    #[serde(default)]
+    pub caching: bool,
+    #[serde(default = "default_block_length")]
+    pub block_length: u32,
+    /// Wall-clock budget of one planning call; a solve cut short returns its incumbent.
+    #[serde(default = "default_time_limit")]
+    pub time_limit_seconds: f64,
+    /// Relative MIP gap at which a solve may stop.
+    #[serde(default = "default_mip_gap")]
+    pub mip_gap: f64,
+    /// A new plan replaces the current one only if an objective improves by this share.
+    #[serde(default = "default_min_improvement")]
+    pub min_improvement: f64,
+    #[serde(default)]
+    pub solver: SolverKind,
+}
+
+impl PlannerConfig {
+    /// Settings with the documented defaults for everything but the SLO and the choices.
+    pub fn new(slo_seconds: f64, degrees: Vec<u32>, batch_tokens: Vec<u64>) -> Self {
+        Self {
+            slo_seconds,
+            degrees,
+            batch_tokens,
+            caching: false,
+            block_length: default_block_length(),
+            time_limit_seconds: default_time_limit(),
+            mip_gap: default_mip_gap(),
+            min_improvement: default_min_improvement(),
+            solver: SolverKind::default(),
+        }
+    }
+}
+
+/// Everything one planning call needs besides the latency profile.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PlannerInputs {
+    pub classes: Vec<RequestClass>,
+    pub thresholds: Vec<ThresholdOption>,
+    /// GPUs of each node.
+    pub node_gpus: Vec<u32>,
+    pub config: PlannerConfig,
+    /// The running deployment, if any: warm start, adoption baseline and Stage 2 input.
+    #[serde(default)]
+    pub current: Option<Deployment>,
+}
+
+/// A class with the numbers the models use: per step kind, tokens per step and steps per
+/// request at each threshold (ascending threshold order).
+#[derive(Clone, Debug)]
+pub(crate) struct ClassData {
+    pub rate: f64,
+    pub tokens: Vec<f64>,
+    pub steps: Vec<Vec<f64>>,
+}
+
+/// One (TP degree, batch size) choice with the per-step-kind latency and seconds per token.
+#[derive(Clone, Debug)]
+pub(crate) struct BatchOption {
+    pub degree_index: usize,
+    pub batch: u64,
+    pub latency: Vec<f64>,
+    pub secs_per_token: Vec<f64>,
+}
+
+/// Validated planner inputs.
+#[derive(Clone, Debug)]
+pub(crate) struct Problem {
+    pub classes: Vec<ClassData>,
+    /// Ascending by threshold; tokens per step strictly decreasing.
+    pub thresholds: Vec<ThresholdOption>,
+    /// Ascending.
+    pub degrees: Vec<u32>,
+    pub options: Vec<BatchOption>,
+    pub kinds: Vec<StepKind>,
+    pub node_gpus: Vec<u32>,
+    pub slo: f64,
+}
+
+impl Problem {
+    /// Options (indices into `options`) of degree index `d`.
+    pub fn options_of(&self, d: usize) -> impl Iterator<Item = usize> + '_ {
+        (0..self.options.len()).filter(move |&j| self.options[j].degree_index == d)
+    }
+
+    pub fn total_rate(&self) -> f64 {
+        self.classes.iter().map(|c| c.rate).sum()
+    }
+}
+
+fn positive(x: f64) -> bool {
+    x.is_finite() && x > 0.0
+}
+
+fn check_setting(
+    name: &'static str,
+    value: f64,
+    ok: bool,
+    reason: &'static str,
+) -> Result<(), PlannerError> {
+    if ok {
+        Ok(())
+    } else {
+        Err(PlannerError::BadSetting {
+            name,
+            value,
+            reason,
+        })
+    }
+}
+
+fn validate_config(c: &PlannerConfig) -> Result<(), PlannerError> {
+    check_setting(
+        "slo_seconds",
+        c.slo_seconds,
+        positive(c.slo_seconds),
+        "must be positive",
+    )?;
+    check_setting(
+        "time_limit_seconds",
+        c.time_limit_seconds,
+        positive(c.time_limit_seconds),
+        "must be positive",
+    )?;
+    check_setting(
+        "mip_gap",
+        c.mip_gap,
+        c.mip_gap.is_finite() && (0.0..1.0).contains(&c.mip_gap),
+        "must be in [0, 1)",
+    )?;
+    check_setting(
+        "min_improvement",
+        c.min_improvement,
+        c.min_improvement.is_finite() && c.min_improvement >= 0.0,
+        "must be non-negative",
+    )?;
+    check_setting(
+        "block_length",
+        c.block_length as f64,
+        c.block_length > 0,
+        "must be positive",
+    )
+}
+
+fn validate_thresholds(
+    raw: &[ThresholdOption],
+    caching: bool,
+    block_length: u32,
+) -> Result<Vec<ThresholdOption>, PlannerError> {
+    if raw.is_empty() {
+        return Err(PlannerError::NoThresholds);
+    }
+    for (index, t) in raw.iter().enumerate() {
+        if !(t.threshold.is_finite() && t.threshold > 0.0 && t.threshold <= 1.0) {
+            return Err(PlannerError::BadThreshold {
+                index,
+                reason: format!("threshold {} is not in (0, 1]", t.threshold),
+            });
+        }
+        if !positive(t.tokens_per_step) {
+            return Err(PlannerError::BadThreshold {
+                index,
+                reason: format!("tokens per step {} is not positive", t.tokens_per_step),
+            });
+        }
+        if caching && t.tokens_per_step > block_length as f64 {
+            return Err(PlannerError::BadThreshold {
+                index,
+                reason: format!(
+                    "tokens per step {} exceeds the block length {block_length}",
+                    t.tokens_per_step
+                ),
+            });
+        }
+    }
+    let mut sorted = raw.to_vec();
+    sorted.sort_by(|a, b| a.threshold.total_cmp(&b.threshold));
+    for pair in sorted.windows(2) {
+        if pair[0].threshold == pair[1].threshold {
+            return Err(PlannerError::BadThreshold {
+                index: raw
+                    .iter()
+                    .position(|t| t.threshold == pair[1].threshold)
+                    .unwrap_or(0),
+                reason: format!("threshold {} appears twice", pair[1].threshold),
+            });
+        }
+        if pair[1].tokens_per_step >= pair[0].tokens_per_step {
+            return Err(PlannerError::BadThreshold {
+                index: raw
+                    .iter()
+                    .position(|t| t.threshold == pair[1].threshold)
+                    .unwrap_or(0),
+                reason: format!(
+                    "threshold {} commits {} tokens per step, not fewer than the {} of the \
+                     lower threshold {}",
+                    pair[1].threshold,
+                    pair[1].tokens_per_step,
+                    pair[0].tokens_per_step,
+                    pair[0].threshold
+                ),
+            });
+        }
+    }
+    Ok(sorted)
+}
+
+fn validate_degrees(degrees: &[u32], node_gpus: &[u32]) -> Result<Vec<u32>, PlannerError> {
+    if degrees.is_empty() {
+        return Err(PlannerError::NoDegrees);
+    }
+    let largest = node_gpus.iter().copied().max().unwrap_or(0);
+    let mut seen = BTreeSet::new();
+    for &degree in degrees {
+        if degree == 0 {
+            return Err(PlannerError::BadDegree {
+                degree,
+                reason: "must be at least 1".into(),
+            });
+        }
+        if degree > largest {
+            return Err(PlannerError::BadDegree {
+                degree,
+                reason: format!("no node has that many GPUs (largest has {largest})"),
+            });
+        }
+        if !seen.insert(degree) {
+            return Err(PlannerError::BadDegree {
+                degree,
+                reason: "listed twice".into(),
+            });
+        }
+    }
+    Ok(seen.into_iter().collect())
+}
+
+fn validate_nodes(node_gpus: &[u32]) -> Result<(), PlannerError> {
+    if node_gpus.is_empty() {
+        return Err(PlannerError::NoGpus);
+    }
+    match node_gpus.iter().position(|&g| g == 0) {
+        Some(node) => Err(PlannerError::EmptyNode { node }),
+        None => Ok(()),
+    }
+}
+
+fn validate_batches(batches: &[u64]) -> Result<Vec<u64>, PlannerError> {
+    if batches.is_empty() {
+        return Err(PlannerError::NoBatchSizes);
+    }
+    let set: BTreeSet<u64> = batches.iter().copied().collect();
+    if set.len() != batches.len() || set.contains(&0) {
+        return Err(PlannerError::BadBatchSizes(batches.to_vec()));
+    }
+    Ok(set.into_iter().collect())
+}
+
+fn class_data(
+    index: usize,
+    class: &RequestClass,
+    thresholds: &[ThresholdOption],
+    caching: bool,
+    block_length: f64,
+) -> Result<ClassData, PlannerError> {
+    let bad = |reason| PlannerError::BadClass { index, reason };
+    if !(class.prompt_tokens.is_finite() && class.prompt_tokens >= 0.0) {
+        return Err(bad("prompt tokens must be finite and non-negative"));
+    }
+    if !positive(class.output_tokens) {
+        return Err(bad("output tokens must be positive"));
+    }
+    if !positive(class.rate) {
+        return Err(bad("rate must be positive"));
+    }
+    let sequence = class.prompt_tokens + class.output_tokens;
+    let per_threshold = |f: &dyn Fn(f64) -> f64| -> Vec<f64> {
+        thresholds.iter().map(|t| f(t.tokens_per_step)).collect()
+    };
+    let output = class.output_tokens;
+    let (tokens, steps) = if caching {
+        // One recompute step per block over the whole sequence; the rest of each block's
+        // steps are cache steps over the block's positions.
+        let blocks = output / block_length;
+        (
+            vec![sequence, block_length],
+            vec![
+                per_threshold(&|_| blocks),
+                per_threshold(&|t| output / t - blocks),
+            ],
+        )
+    } else {
+        (vec![sequence], vec![per_threshold(&|t| output / t)])
+    };
+    Ok(ClassData {
+        rate: class.rate,
+        tokens,
+        steps,
+    })
+}
+
+fn batch_options(
+    profile: &LatencyProfile,
+    degrees: &[u32],
+    batches: &[u64],
+    kinds: &[StepKind],
+) -> Result<Vec<BatchOption>, PlannerError> {
+    profile.require(degrees, kinds)?;
+    let mut options = Vec::with_capacity(degrees.len() * batches.len());
+    for (degree_index, &degree) in degrees.iter().enumerate() {
+        for &batch in batches {
+            let latency = kinds
+                .iter()
+                .map(|&k| profile.latency(degree, k, batch as f64))
+                .collect::<Result<Vec<f64>, _>>()?;
+            let secs_per_token = latency.iter().map(|l| l / batch as f64).collect();
+            options.push(BatchOption {
+                degree_index,
+                batch,
+                latency,
+                secs_per_token,
+            });
+        }
+    }
+    Ok(options)
+}
+
+fn validate_deployment(
+    current: &Deployment,
+    node_gpus: &[u32],
+    degrees: &[u32],
+    batches: &[u64],
+) -> Result<(), PlannerError> {
+    let bad = |m: String| Err(PlannerError::BadDeployment(m));
+    let mut used = BTreeSet::new();
+    for (i, inst) in current.instances.iter().enumerate() {
+        let Some(&gpus) = node_gpus.get(inst.node) else {
+            return bad(format!(
+                "instance {i} is on node {} of {}",
+                inst.node,
+                node_gpus.len()
+            ));
+        };
+        if inst.degree == 0 || inst.gpus.len() != inst.degree as usize {
+            return bad(format!(
+                "instance {i} has degree {} but {} GPUs",
+                inst.degree,
+                inst.gpus.len()
+            ));
+        }
+        for &g in &inst.gpus {
+            if g >= gpus {
+                return bad(format!(
+                    "instance {i} uses GPU {g} of node {} with {gpus} GPUs",
+                    inst.node
+                ));
+            }
+            if !used.insert((inst.node, g)) {
+                return bad(format!("GPU {g} of node {} is used twice", inst.node));
+            }
+        }
+        if degrees.contains(&inst.degree) {
+            match current.batch_tokens.get(&inst.degree) {
+                None => return bad(format!("no batch size given for TP degree {}", inst.degree)),
+                Some(b) if !batches.contains(b) => {
+                    return bad(format!(
+                        "batch size {b} of TP degree {} is not a candidate batch size",
+                        inst.degree
+                    ))
+                }
+                Some(_) => {}
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Checks every input and derives the numbers the models use.
+pub(crate) fn validate(
+    inputs: &PlannerInputs,
+    profile: &LatencyProfile,
+) -> Result<Problem, PlannerError> {
+    let config = &inputs.config;
+    validate_config(config)?;
+    validate_nodes(&inputs.node_gpus)?;
+    if inputs.classes.is_empty() {
+        return Err(PlannerError::NoClasses);
+    }
+    let thresholds = validate_thresholds(&inputs.thresholds, config.caching, config.block_length)?;
+    let degrees = validate_degrees(&config.degrees, &inputs.node_gpus)?;
+    let batches = validate_batches(&config.batch_tokens)?;
+    let kinds = if config.caching {
+        vec![StepKind::Recompute, StepKind::Cache]
+    } else {
+        vec![StepKind::NoCache]
+    };
+    let classes = inputs
+        .classes
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            class_data(
+                i,
+                c,
+                &thresholds,
+                config.caching,
+                config.block_length as f64,
+            )
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let options = batch_options(profile, &degrees, &batches, &kinds)?;
+    if let Some(current) = &inputs.current {
+        validate_deployment(current, &inputs.node_gpus, &degrees, &batches)?;
+    }
+    Ok(Problem {
+        classes,
+        thresholds,
+        degrees,
+        options,
+        kinds,
+        node_gpus: inputs.node_gpus.clone(),
+        slo: config.slo_seconds,
+    })
+}

@@ -1,0 +1,78 @@
+//! The SLO convention of the evaluation (DESIGN §9): a multiple of the mean latency of a
+//! request served alone on a TP-1 instance at the highest candidate threshold.
+
+use super::classes::Arrival;
+use super::error::PlannerError;
+use super::inputs::ThresholdOption;
+use crate::profile::{LatencyProfile, StepKind};
+
+/// Mean seconds a request of `arrivals` takes alone on a TP-1 instance when each step
+/// commits `tokens_per_step` tokens.
+pub fn mean_isolated_latency(
+    profile: &LatencyProfile,
+    arrivals: &[Arrival],
+    top: ThresholdOption,
+    caching: bool,
+    block_length: u32,
+) -> Result<f64, PlannerError> {
+    if arrivals.is_empty() {
+        return Err(PlannerError::BadSetting {
+            name: "arrivals",
+            value: 0.0,
+            reason: "at least one arrival is needed",
+        });
+    }
+    if !(top.tokens_per_step.is_finite() && top.tokens_per_step > 0.0) || block_length == 0 {
+        return Err(PlannerError::BadThreshold {
+            index: 0,
+            reason: "tokens per step and block length must be positive".into(),
+        });
+    }
+    let block = block_length as f64;
+    let mut total = 0.0;
+    for a in arrivals {
+        let sequence = (a.prompt_tokens + a.output_tokens) as f64;
+        let output = a.output_tokens as f64;
+        let steps = output / top.tokens_per_step;
+        total += if caching {
+            let blocks = output / block;
+            blocks * profile.latency(1, StepKind::Recompute, sequence)?
+                + (steps - blocks).max(0.0) * profile.latency(1, StepKind::Cache, block)?
+        } else {
+            steps * profile.latency(1, StepKind::NoCache, sequence)?
+        };
+    }
+    Ok(total / arrivals.len() as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mean_of_steps_times_step_latency() {
+        let profile =
+            LatencyProfile::from_tables([(1, StepKind::NoCache, vec![(100, 0.01), (200, 0.02)])])
+                .unwrap();
+        let arrivals = [
+            Arrival {
+                time: 0.0,
+                prompt_tokens: 50,
+                output_tokens: 50,
+            },
+            Arrival {
+                time: 1.0,
+                prompt_tokens: 100,
+                output_tokens: 100,
+            },
+        ];
+        let top = ThresholdOption {
+            threshold: 0.9,
+            tokens_per_step: 2.0,
+        };
+        let t = mean_isolated_latency(&profile, &arrivals, top, false, 32).unwrap();
+        // 25 steps × 0.01 s and 50 steps × 0.02 s.
+        assert!((t - (0.25 + 1.0) / 2.0).abs() < 1e-12);
+        assert!(mean_isolated_latency(&profile, &arrivals, top, true, 32).is_err());
+    }
+}
