@@ -77,7 +77,7 @@ def as_deployment(result: Plan) -> Deployment:
 def test_light_load_keeps_the_top_threshold(profile: LatencyProfile) -> None:
     result = plan(cluster(0.05), profile)
     cap = result.capacity
-    assert not cap.overloaded and cap.status == "optimal"
+    assert not cap.overloaded and cap.status in ("optimal", "gap_limit")
     assert cap.value.quality == pytest.approx(0.9, abs=1e-6)
     assert all(c.threshold_mix[-1] == pytest.approx(1.0, abs=1e-6) for c in cap.classes)
     # Latency slack picks the fastest instances: all GPUs as TP-4 at the smallest batch.

@@ -130,12 +130,15 @@ impl Model {
             warm.map(|w| all.iter().copied().zip(w.iter().copied()).collect());
         match settings.solver {
             #[cfg(feature = "highs")]
-            // The models are small: HiGHS's parallel search costs more than it gains, and
-            // the planner runs beside the engine loop.
+            // The models are small and already tight: HiGHS's parallel search and its MIP
+            // presolve (with restarts) cost more than they save here (benches/planner.py
+            // measured about half the time without presolve), and the planner runs beside
+            // the engine loop, so one thread.
             SolverKind::Highs => run(
                 unsolved
                     .using(good_lp::solvers::highs::highs)
-                    .set_threads(1),
+                    .set_threads(1)
+                    .set_presolve(good_lp::solvers::highs::HighsPresolveType::Off),
                 constraints,
                 &all,
                 seconds,

