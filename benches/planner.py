@@ -139,8 +139,8 @@ def bench_cluster(
         share[load] = round(below_top_share(warm.capacity, current.classes), 3)
         statuses |= {warm.capacity.status, cold.capacity.status}
     target = {16: 100, 64: 1000, 256: 10000}[gpus]
-    name = f"plan_ms_{gpus}gpu{suffix}"
-    for name, times in ((name, warm_ms), (f"{name}_cold", cold_ms)):
+    base_name = f"plan_ms_{gpus}gpu{suffix}"
+    for name, times in ((base_name, warm_ms), (f"{base_name}_cold", cold_ms)):
         worst = max(times.values())
         emit(
             name=name,

@@ -99,6 +99,11 @@ def read_trace(path: Path) -> list[Arrival]:
         raise ValueError(f"{path}: {e}") from e
 
 
+def _share(value: float) -> float:
+    """A share as printed: solver round-off below zero (including -0.0) shows as 0."""
+    return value if value > 0.0 else 0.0
+
+
 def _format(result: Plan, slo: float) -> str:
     cap = result.capacity
     lines = [f"SLO {slo:.2f} s; solve {cap.status}, stage 1 {result.stage1_seconds * 1e3:.0f} ms"]
@@ -121,7 +126,7 @@ def _format(result: Plan, slo: float) -> str:
     header = " ".join(f"{t:>5.2f}" for t in cap.thresholds)
     lines.append(f"  class threshold mix [{header}]  latency")
     for i, c in enumerate(cap.classes):
-        mix = " ".join(f"{max(m, 0.0):>5.2f}" for m in c.threshold_mix)
+        mix = " ".join(f"{_share(m):>5.2f}" for m in c.threshold_mix)
         mark = "" if c.slo_reachable else "  (SLO unreachable)"
         lines.append(f"  {i:>5}               [{mix}]  {c.latency_seconds:6.2f} s{mark}")
     lines.append(f"{'adopted' if result.adopted else 'not adopted'}: {result.reason}")
