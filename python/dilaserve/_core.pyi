@@ -20,6 +20,12 @@ class InvalidInstanceError(SchedulerError): ...
 class UnknownInstanceError(SchedulerError): ...
 class StepReportError(SchedulerError): ...
 
+class PlannerInputError(ValueError):
+    """Planner inputs are invalid (no GPUs, no classes, a degree larger than every node...)."""
+
+class PlannerSolveError(RuntimeError):
+    """The MILP solver failed."""
+
 class LatencyProfile:
     """Measured per-step latency by TP degree, step kind and batch tokens."""
 
@@ -106,3 +112,31 @@ class Scheduler:
     def instance_ids(self) -> list[int]: ...
     def request(self, id: int) -> dict[str, object]: ...
     def instance(self, id: int) -> dict[str, object]: ...
+
+def plan_json(inputs_json: str, profile: LatencyProfile) -> str:
+    """Both planner stages and the adoption rule; JSON in, JSON out (GIL released)."""
+
+def plan_capacity_json(inputs_json: str, profile: LatencyProfile) -> str:
+    """Stage 1 only; JSON in, JSON out (GIL released)."""
+
+def classes_from_arrivals(
+    arrivals_raw: list[tuple[float, int, int]],
+    start: float,
+    end: float,
+    prompt_bins: int,
+    output_bins: int,
+    rate_margin: float,
+) -> list[tuple[float, float, float]]:
+    """`(prompt tokens, output tokens, rate)` classes of the arrivals in `[start, end)`."""
+
+def mean_isolated_latency(
+    profile: LatencyProfile,
+    arrivals_raw: list[tuple[float, int, int]],
+    tokens_per_step: float,
+    caching: bool,
+    block_length: int,
+) -> float:
+    """Mean seconds a request takes alone on TP-1 at `tokens_per_step` tokens per step."""
+
+def planner_solvers() -> list[str]:
+    """Names of the MILP backends compiled in."""
