@@ -15,7 +15,7 @@ install: build-deps
 # The main job. Until the HTTP server exists it profiles a small random LLaDA-format
 # checkpoint on this device, which runs the whole worker path (model, runner, kernels).
 RUN_DIR ?= $(HOME)/.cache/dilaserve/run
-run:
+run: build-deps
 	$(PYTHON) -m pip install -e .
 	$(PYTHON) -c "from dilaserve.models.testing import write_tiny_checkpoint as w; w('$(RUN_DIR)/model', 'llada')"
 	dilaserve profile --model $(RUN_DIR)/model --output $(RUN_DIR)/profile.json
