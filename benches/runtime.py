@@ -29,7 +29,7 @@ PROMPT_LENGTH = 32
 REQUESTS = 8
 SEQUENTIAL_REQUESTS = 2
 THRESHOLD = 0.9
-MODEL = {"d_model": 256, "n_layers": 4, "n_heads": 4, "n_kv_heads": 4, "mlp_hidden_size": 704}
+MODEL = {"d_model": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 4, "mlp_hidden_size": 352}
 
 
 def emit(name: str, value: float, unit: str, **extra) -> None:
