@@ -130,15 +130,8 @@ impl Model {
             warm.map(|w| all.iter().copied().zip(w.iter().copied()).collect());
         match settings.solver {
             #[cfg(feature = "highs")]
-            // The models are small and already tight: HiGHS's parallel search and its MIP
-            // presolve (with restarts) cost more than they save here (benches/planner.py
-            // measured about half the time without presolve), and the planner runs beside
-            // the engine loop, so one thread.
             SolverKind::Highs => run(
-                unsolved
-                    .using(good_lp::solvers::highs::highs)
-                    .set_threads(1)
-                    .set_presolve(good_lp::solvers::highs::HighsPresolveType::Off),
+                highs_tuned(unsolved.using(good_lp::solvers::highs::highs)),
                 constraints,
                 &all,
                 seconds,
@@ -160,6 +153,39 @@ impl Model {
             other => Err(PlannerError::SolverUnavailable(other.as_str())),
         }
     }
+}
+
+/// HiGHS primal heuristics switched off: every chained phase after the first starts from a
+/// feasible warm start, so they mostly re-find it (benches/planner.py: about a fifth of the
+/// worst 16-GPU load's time).
+#[cfg(feature = "highs")]
+const HIGHS_HEURISTICS_OFF: [&str; 6] = [
+    "mip_heuristic_run_feasibility_jump",
+    "mip_heuristic_run_rens",
+    "mip_heuristic_run_rins",
+    "mip_heuristic_run_root_reduced_cost",
+    "mip_heuristic_run_zi_round",
+    "mip_heuristic_run_shifting",
+];
+
+/// HiGHS settings for these models. They are small and already tight: HiGHS's parallel
+/// search and its MIP presolve (with restarts) cost more than they save here
+/// (benches/planner.py measured about half the time without presolve), and the planner
+/// runs beside the engine loop, so one thread. The root closes the gap with few cuts, so a
+/// minimal cut pool (HiGHS's soft limit on stored cuts, not a cap on the cuts in the LP)
+/// saves the time spent keeping hundreds of cuts (about a third of that load's time).
+#[cfg(feature = "highs")]
+fn highs_tuned(
+    model: good_lp::solvers::highs::HighsProblem,
+) -> good_lp::solvers::highs::HighsProblem {
+    let model = model
+        .set_threads(1)
+        .set_presolve(good_lp::solvers::highs::HighsPresolveType::Off)
+        .set_option("mip_heuristic_effort", 0.0)
+        .set_option("mip_pool_soft_limit", 1);
+    HIGHS_HEURISTICS_OFF
+        .iter()
+        .fold(model, |m, &name| m.set_option(name, false))
 }
 
 /// Whether the backend named by `kind` is compiled in.
