@@ -7,15 +7,24 @@ import argparse
 import torch
 
 from dilaserve.models import load_model
+from dilaserve.tiny import MODEL_NAME, default_model_dir
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="HF-format checkpoint directory")
+    """--model (default: the embedded dilaserve-tiny), --dtype and --device."""
+    p.add_argument(
+        "--model", default=None, help=f"HF-format checkpoint directory (default: {MODEL_NAME})"
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda"
     )
 
 
+def model_dir(args: argparse.Namespace) -> str:
+    """The checkpoint directory the arguments name: --model, else the embedded model."""
+    return args.model or str(default_model_dir())
+
+
 def load_model_from_args(args: argparse.Namespace) -> torch.nn.Module:
-    return load_model(args.model, dtype=args.dtype, device=args.device)
+    return load_model(model_dir(args), dtype=args.dtype, device=args.device)

@@ -10,7 +10,7 @@ from .dream import DREAM
 from .errors import CheckpointError
 from .llada import LLADA
 from .model import CacheAccessMode, DiffusionLM
-from .tokenizer import load_tokenizer
+from .tokenizer import UnrepresentableTextError, encode_prompt, load_tokenizer
 
 __all__ = [
     "DREAM",
@@ -21,6 +21,8 @@ __all__ = [
     "DiffusionLM",
     "Family",
     "ModelConfig",
+    "UnrepresentableTextError",
+    "encode_prompt",
     "load_model",
     "load_tokenizer",
     "read_config",

@@ -77,3 +77,19 @@ def _complete_special_tokens(tokenizer: PreTrainedTokenizerBase, directory: Path
         token_id = config.get(f"{role}_token_id")
         if getattr(tokenizer, f"{role}_token") is None and isinstance(token_id, int):
             setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(token_id))
+
+
+class UnrepresentableTextError(ValueError):
+    """A prompt is empty or holds text the model's tokenizer maps to its unknown token."""
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """Prompt ids without special tokens; text the tokenizer cannot represent is an error
+    rather than a silent unknown token the model was never trained on."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    unk = tokenizer.unk_token_id
+    if unk is not None and unk in ids:
+        raise UnrepresentableTextError(f"the model's tokenizer cannot represent part of {text!r}")
+    if not ids:
+        raise UnrepresentableTextError("the prompt is empty")
+    return ids

@@ -1,0 +1,235 @@
+"""dilaserve-tiny: task suite, tokenizer, training objective, and the commands."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from dilaserve.models import load_model, load_tokenizer
+from dilaserve.tiny import tasks
+from dilaserve.tiny.evaluate import EVAL_SEED
+from dilaserve.tiny.tokenizer import (
+    EOS_ID,
+    MASK_ID,
+    PAD_ID,
+    UnknownCharacterError,
+    encode,
+    save_tokenizer,
+)
+from dilaserve.tiny.train import TrainConfig, Trainer, build_model, collate, export, make_example
+
+# -- task suite ---------------------------------------------------------------------------
+
+
+def test_problems_are_reproducible_and_their_answers_check():
+    first, second = tasks.make_problems(400, seed=3), tasks.make_problems(400, seed=3)
+    assert first == second
+    assert {p.task for p in first} == set(tasks.GENERATORS)
+    for p in first:
+        assert tasks.check(p, p.answer), p
+        assert len(p.answer) <= p.max_tokens, p
+        assert p.prompt[-1] in "=>"
+
+
+def test_answers_reach_128_tokens():
+    longest = max(len(p.answer) for p in tasks.make_problems(2000, seed=1, tasks=("tr",)))
+    assert longest >= 128
+
+
+def test_evaluation_problems_differ_from_training_stream():
+    training = {p.prompt for p in tasks.make_problems(2000, seed=TrainConfig().seed)}
+    held_out = tasks.make_problems(500, seed=EVAL_SEED)
+    overlap = sum(p.prompt in training for p in held_out)
+    assert overlap < 25  # only trivially small problems (e.g. `3+4=`) can coincide
+
+
+def test_pick_rejects_a_mix_of_two_entries():
+    problem = tasks.Problem("pick", "pick:abxde,abcye,abcyz>", "abxde", 5)
+    assert tasks.check(problem, "abcye")
+    assert not tasks.check(problem, "abcde")  # the per-position majority, listed nowhere
+    assert not tasks.check(problem, "abxyz")
+
+
+def test_pick_majorities_are_valid_in_some_lists_and_invalid_in_others():
+    """The parallel-decoding hazard: per-position majority letters spell an entry or not."""
+    listed = []
+    for p in tasks.make_problems(400, seed=4, tasks=("pick",)):
+        entries = p.prompt[len("pick:") : -1].split(",")
+        majority = "".join(
+            max(sorted(set(column)), key=column.count) for column in zip(*entries, strict=True)
+        )
+        listed.append(majority in entries)
+    assert 0.2 < sum(listed) / len(listed) < 0.8
+
+
+def test_perm_accepts_any_ordering_of_the_letters_only():
+    problem = tasks.Problem("perm", "perm:abcd>", "dcba", 4)
+    assert tasks.check(problem, "bdac")
+    assert not tasks.check(problem, "bdaa")  # two positions settled on the same letter
+    assert not tasks.check(problem, "bda")
+
+
+def test_draw_accepts_one_letter_of_each_group_in_order():
+    problem = tasks.Problem("draw", "draw:aaab,cdcd,eeee>", "ace", 3)
+    assert tasks.check(problem, "bde")
+    assert not tasks.check(problem, "dbe")  # each letter from its own group
+    assert not tasks.check(problem, "ab")
+
+
+def test_draw_groups_offer_every_level_of_ambiguity():
+    """Top shares 1, 3/4 and 1/2: the thresholds between 0.5 and 0.9 each matter."""
+    shares = set()
+    for p in tasks.make_problems(200, seed=6, tasks=("draw",)):
+        for group in p.prompt[len("draw:") : -1].split(","):
+            assert len(group) == tasks.GROUP_SIZE
+            shares.add(max(group.count(c) for c in group) / tasks.GROUP_SIZE)
+    assert shares == {1.0, 0.75, 0.5}
+
+
+def test_deterministic_tasks_need_the_exact_answer():
+    problem = tasks.Problem("add", "12345+67890=", "80235", 6)
+    assert tasks.check(problem, "80235")
+    assert not tasks.check(problem, "080235")
+    assert not tasks.check(problem, "80236")
+
+
+# -- tokenizer ----------------------------------------------------------------------------
+
+
+def test_saved_tokenizer_loads_through_transformers_and_agrees(tmp_path):
+    save_tokenizer(tmp_path, max_length=512)
+    tokenizer = load_tokenizer(tmp_path)
+    assert (tokenizer.eos_token_id, tokenizer.pad_token_id) == (EOS_ID, PAD_ID)
+    assert tokenizer.mask_token_id == MASK_ID
+    for p in tasks.make_problems(50, seed=5):
+        text = p.prompt + p.answer
+        assert tokenizer(text, add_special_tokens=False)["input_ids"] == encode(text)
+        assert tokenizer.decode(encode(text) + [EOS_ID, EOS_ID], skip_special_tokens=True) == text
+
+
+def test_encode_rejects_characters_outside_the_alphabet():
+    with pytest.raises(UnknownCharacterError, match="alphabet"):
+        encode("12+Ab=")
+
+
+# -- training objective -------------------------------------------------------------------
+
+
+def test_collate_masks_answer_positions_only_and_weights_by_inverse_ratio():
+    rng = random.Random(0)
+    examples = [make_example(p, rng) for p in tasks.make_problems(256, seed=2)]
+    clean, noisy, valid, masked, weight = collate(examples, torch.Generator().manual_seed(0))
+    for i, e in enumerate(examples):
+        assert not masked[i, : e.answer_start].any()  # the prompt is never noised
+        assert not masked[i, len(e.ids) :].any()  # nor the padding
+        assert valid[i].sum() == len(e.ids)
+    assert torch.equal(noisy[masked], torch.full_like(noisy[masked], MASK_ID))
+    assert torch.equal(noisy[~masked], clean[~masked])
+    # 1/p weighting: the expected weighted count of masked answer positions per example is 1,
+    # whatever its mask ratio, so the batch's total weight is about one.
+    assert weight[~masked].abs().sum() == 0
+    assert 0.8 < float(weight.sum()) < 1.25
+
+
+def small_config(**overrides) -> TrainConfig:
+    """A model and batches small enough to train a few steps in a test, on one thread."""
+    settings = {"d_model": 32, "n_layers": 1, "n_heads": 2, "mlp_hidden_size": 64}
+    return TrainConfig(**{**settings, "batch_tokens": 512, "threads": 1, **overrides})
+
+
+def test_resumed_training_matches_an_uninterrupted_run(tmp_path):
+    cfg = small_config(steps=6, save_every=3, log_every=3)
+    straight = Trainer(cfg, tmp_path / "straight")
+    straight.run()
+    Trainer(cfg, tmp_path / "resumed").run(until=3)
+    log = tmp_path / "resumed" / Trainer.LOG_FILE
+    with log.open("a") as f:  # a record logged after the last save, then interrupted
+        f.write(json.dumps({"step": 4, "loss": 9.0}) + "\n")
+    resumed = Trainer(cfg, tmp_path / "resumed")
+    assert resumed.resume() and resumed.step == 3
+    resumed.run()
+    for name, tensor in straight.model.state_dict().items():
+        assert torch.equal(tensor, resumed.model.state_dict()[name]), name
+    logged = [json.loads(line) for line in log.read_text().splitlines()]
+    straight_log = (tmp_path / "straight" / Trainer.LOG_FILE).read_text().splitlines()
+    assert [r["step"] for r in logged] == [json.loads(line)["step"] for line in straight_log]
+    exported = load_model(tmp_path / "resumed" / "checkpoint")
+    assert exported.config.family == "llada" and exported.config.num_layers == 1
+
+
+def test_training_lowers_the_loss(tmp_path):
+    cfg = small_config(
+        d_model=64,
+        n_layers=2,
+        mlp_hidden_size=128,
+        batch_tokens=1024,
+        steps=60,
+        warmup_steps=10,
+        save_every=60,
+        log_every=10,
+    )
+    Trainer(cfg, tmp_path).run()
+    log = [json.loads(line) for line in (tmp_path / Trainer.LOG_FILE).read_text().splitlines()]
+    assert log[-1]["loss"] < 0.8 * log[0]["loss"]
+
+
+# -- the commands, on a freshly initialised checkpoint ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def untrained_dir(tmp_path_factory):
+    """A dilaserve-tiny-format checkpoint (config, weights, tokenizer) with random weights."""
+    directory = tmp_path_factory.mktemp("untrained")
+    cfg = small_config()
+    export(build_model(cfg, torch.Generator().manual_seed(0)), directory)
+    return directory
+
+
+def test_exported_checkpoint_loads_like_a_released_llada(untrained_dir):
+    config = json.loads((untrained_dir / "config.json").read_text())
+    assert config["model_type"] == "llada" and config["architectures"] == ["LLaDAModelLM"]
+    model, tokenizer = load_model(untrained_dir), load_tokenizer(untrained_dir)
+    assert model.config.mask_token_id == tokenizer.mask_token_id == MASK_ID
+    assert next(model.parameters()).dtype == torch.float32  # bf16 on disk, fp32 by default
+
+
+def test_generate_command_honours_its_decoding_flags(capsys, untrained_dir):
+    from dilaserve.cli import main
+
+    args = ["generate", "12+34=", "--model", str(untrained_dir), "--max-tokens", "8"]
+    assert main([*args, "--block-length", "4", "--threshold", "1.0", "--stats"]) == 0
+    out, err = capsys.readouterr()
+    assert len(out.strip()) <= 8
+    steps = int(err.split("steps=")[1].split()[0])
+    assert 1 <= steps <= 8  # τ = 1.0 commits one position per step, at most 8 of them
+
+
+def test_generate_command_rejects_unknown_characters(capsys, untrained_dir):
+    from dilaserve.cli import main
+
+    assert main(["generate", "12+AB=", "--model", str(untrained_dir)]) == 2
+    assert "cannot represent" in capsys.readouterr().err
+
+
+def test_eval_command_prints_one_json_object_per_cell(capsys, tmp_path, untrained_dir):
+    from dilaserve.cli import main
+
+    plot = tmp_path / "eval.png"
+    args = ["eval", "--json", "--n", "6", "--thresholds", "0.7,0.9", "--caches", "dual"]
+    assert main([*args, "--model", str(untrained_dir), "--plot", str(plot)]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["threshold"], r["cache"]) for r in rows] == [(0.7, "dual"), (0.9, "dual")]
+    fields = {
+        "threshold",
+        "cache",
+        "accuracy",
+        "mean_steps",
+        "tokens_per_step",
+        "tokens_per_s",
+        "n",
+    }
+    assert all(set(r) == fields and r["n"] == 6 for r in rows)
+    assert plot.stat().st_size > 0
