@@ -41,24 +41,31 @@ class Problem:
     max_tokens: int  # an upper bound on any valid answer's length, known from the prompt
 
 
+# One layout per task: where an answer token's evidence sits is then a fixed offset, which a
+# tiny RoPE model learns in a few hundred steps; mixing sizes (3- and 5-digit sums, texts of
+# 32 and 128 letters) kept it from learning those tasks at all within the CPU budget.
+ADD_WIDTH = 5
+TR_LENGTH = 128
+PERM_LETTERS = 5
+
+
 def _width_number(rng: random.Random, width: int) -> int:
     """A number of exactly `width` digits."""
     return rng.randint(10 ** (width - 1), 10**width - 1)
 
 
 def add(rng: random.Random) -> Problem:
-    """`a+b=` with two numbers of the same width (3 or 5 digits) whose sum keeps that width;
-    each digit of the sum depends on the carry chain below it."""
-    width = rng.choice((3, 5, 5))
+    """`a+b=` with two five-digit numbers whose sum keeps five digits; each digit of the sum
+    depends on the carry chain below it."""
     while True:
-        a, b = _width_number(rng, width), _width_number(rng, width)
-        if a + b < 10**width:
-            return Problem("add", f"{a}+{b}=", str(a + b), width)
+        a, b = _width_number(rng, ADD_WIDTH), _width_number(rng, ADD_WIDTH)
+        if a + b < 10**ADD_WIDTH:
+            return Problem("add", f"{a}+{b}=", str(a + b), ADD_WIDTH)
 
 
 def translate(rng: random.Random) -> Problem:
-    """Copy with edits: every `x` becomes `y` (`tr:xy:text>`), texts of 32 or 128 letters."""
-    text = "".join(rng.choices(LETTERS, k=rng.choice((32, 128))))
+    """Copy with edits: every `x` becomes `y` (`tr:xy:text>`), texts of 128 letters."""
+    text = "".join(rng.choices(LETTERS, k=TR_LENGTH))
     x = rng.choice(text)
     y = rng.choice([c for c in LETTERS if c != x])
     return Problem("tr", f"tr:{x}{y}:{text}>", text.replace(x, y), len(text))
@@ -98,32 +105,34 @@ def pick(rng: random.Random) -> Problem:
 
 
 def permute(rng: random.Random) -> Problem:
-    """Any ordering of 3-5 distinct letters (`perm:letters>`): n, n-1, ..., 2 valid choices
-    for the successive letters; two positions committed at once can repeat a letter."""
-    letters = "".join(rng.sample(LETTERS, rng.randint(3, 5)))
+    """Any ordering of five distinct letters (`perm:letters>`): 5, 4, 3, 2 valid choices for
+    the successive letters; two positions committed at once can repeat a letter."""
+    letters = "".join(rng.sample(LETTERS, PERM_LETTERS))
     answer = "".join(rng.sample(letters, len(letters)))
     return Problem("perm", f"perm:{letters}>", answer, len(letters))
 
 
-GROUP_SIZE = 4
-# Letter counts of a `draw` group (each sums to GROUP_SIZE), with their probabilities: top
+DRAW_ROWS = 4
+DRAW_LENGTH = 6
+# Letter counts of a `draw` column over its DRAW_ROWS rows, with their probabilities: top
 # shares 1, 3/4 and 1/2.
-GROUP_PATTERNS = (((4,), 0.15), ((3, 1), 0.55), ((2, 2), 0.15), ((2, 1, 1), 0.15))
+COLUMN_PATTERNS = (((4,), 0.15), ((3, 1), 0.55), ((2, 2), 0.15), ((2, 1, 1), 0.15))
 
 
 def draw(rng: random.Random) -> Problem:
-    """One letter from each of 3-6 groups of four (`draw:aaba,ccdd,...>`); the training
-    answer takes a uniformly random slot of each group, so a calibrated model's confidence
-    in a letter is its share of the group."""
-    groups, answer = [], []
-    for _ in range(rng.randint(3, 6)):
-        counts = rng.choices([c for c, _ in GROUP_PATTERNS], [w for _, w in GROUP_PATTERNS])[0]
+    """Position i of the answer takes any letter of column i of four six-letter rows
+    (`draw:aabcde,abbcdf,...>`); the training answer takes a uniformly random row per column,
+    so a calibrated model's confidence in a letter is its share of the column."""
+    columns, answer = [], []
+    for _ in range(DRAW_LENGTH):
+        counts = rng.choices([c for c, _ in COLUMN_PATTERNS], [w for _, w in COLUMN_PATTERNS])[0]
         letters = rng.sample(LETTERS, len(counts))
-        group = [ch for ch, count in zip(letters, counts, strict=True) for _ in range(count)]
-        rng.shuffle(group)
-        groups.append("".join(group))
-        answer.append(rng.choice(group))
-    return Problem("draw", f"draw:{','.join(groups)}>", "".join(answer), len(groups))
+        column = [ch for ch, count in zip(letters, counts, strict=True) for _ in range(count)]
+        rng.shuffle(column)
+        columns.append(column)
+        answer.append(rng.choice(column))
+    rows = ["".join(row) for row in zip(*columns, strict=True)]
+    return Problem("draw", f"draw:{','.join(rows)}>", "".join(answer), DRAW_LENGTH)
 
 
 GENERATORS: dict[str, Callable[[random.Random], Problem]] = {
@@ -163,8 +172,8 @@ def check(problem: Problem, answer: str) -> bool:
     if problem.task == "perm":
         return sorted(answer) == sorted(problem.prompt[len("perm:") : -1])
     if problem.task == "draw":
-        groups = problem.prompt[len("draw:") : -1].split(",")
-        if len(answer) != len(groups):
+        columns = list(zip(*problem.prompt[len("draw:") : -1].split(","), strict=True))
+        if len(answer) != len(columns):
             return False
-        return all(a in g for a, g in zip(answer, groups, strict=True))
+        return all(a in column for a, column in zip(answer, columns, strict=True))
     return answer == problem.answer

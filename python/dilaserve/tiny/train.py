@@ -38,17 +38,17 @@ class TrainConfig:
     """Everything that determines a training run (saved next to its checkpoints)."""
 
     seed: int = 0
-    steps: int = 6000
-    batch_tokens: int = 4096  # padded tokens per optimizer step
+    steps: int = 8000
+    batch_tokens: int = 2048  # padded tokens per optimizer step
     lr: float = 2e-3
     min_lr_ratio: float = 0.05
     warmup_steps: int = 200
     weight_decay: float = 0.01
     grad_clip: float = 1.0
-    d_model: int = 192
-    n_layers: int = 6
-    n_heads: int = 6
-    mlp_hidden_size: int = 512
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    mlp_hidden_size: int = 384
     threads: int = 2
     bf16: bool = True  # bf16 autocast (CPUs with AMX / AVX512-bf16 nearly double speed)
     pool_size: int = 1024  # examples sorted by length together, to batch similar lengths
