@@ -17,6 +17,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from .checkpoint import CONFIG_FILE, FAMILIES, save_checkpoint
 from .model import DiffusionLM
+from .tokenizer import write_tokenizer_config
 
 TokenizerLayout = Literal["json", "bpe_files"]
 
@@ -201,22 +202,7 @@ def randomize(model: DiffusionLM, seed: int) -> None:
 def write_tiny_tokenizer(directory: Path, family: str, layout: TokenizerLayout) -> None:
     specials = special_ids(family)
     vocab, roles = bpe_vocab(), _special_roles(family)
-    settings: dict[str, Any] = {
-        "added_tokens_decoder": {
-            str(token_id): {
-                "content": token,
-                "lstrip": False,
-                "normalized": False,
-                "rstrip": False,
-                "single_word": False,
-                "special": True,
-            }
-            for token, token_id in specials.items()
-        },
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": 1024,
-        **roles,
-    }
+    settings: dict[str, Any] = {"clean_up_tokenization_spaces": False, "model_max_length": 1024}
     if family == "dream":
         settings |= {
             "auto_map": {"AutoTokenizer": ["tokenization_dream.DreamTokenizer", None]},
@@ -226,8 +212,7 @@ def write_tiny_tokenizer(directory: Path, family: str, layout: TokenizerLayout) 
         }
     else:
         settings["tokenizer_class"] = "PreTrainedTokenizerFast"
-    (directory / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
-    (directory / "special_tokens_map.json").write_text(json.dumps(roles, indent=2) + "\n")
+    write_tokenizer_config(directory, specials, roles, **settings)
     if layout == "json":
         tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=MERGES))
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -9,6 +9,8 @@ tokens of the config files.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,28 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
         )
     _complete_special_tokens(tokenizer, directory)
     return tokenizer
+
+
+def write_tokenizer_config(
+    directory: Path, specials: Mapping[str, int], roles: Mapping[str, str], **settings: Any
+) -> None:
+    """Writes `tokenizer_config.json` (the special tokens as `added_tokens_decoder`, the
+    roles, `settings`) and `special_tokens_map.json` (the roles), as released checkpoints
+    lay them out."""
+    decoder = {
+        str(token_id): {
+            "content": token,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for token, token_id in specials.items()
+    }
+    config = {"added_tokens_decoder": decoder, **settings, **roles}
+    (directory / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    (directory / "special_tokens_map.json").write_text(json.dumps(dict(roles), indent=2) + "\n")
 
 
 def _names_custom_class(settings: dict[str, Any]) -> bool:

@@ -9,10 +9,11 @@ checks that the saved tokenizer agrees with it.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from dilaserve.models.tokenizer import write_tokenizer_config
 
 PAD_TOKEN = "<|pad|>"
 EOS_TOKEN = "<|endoftext|>"
@@ -69,22 +70,11 @@ def save_tokenizer(directory: str | Path, *, max_length: int) -> None:
         "mask_token": MASK_TOKEN,
         "unk_token": UNK_TOKEN,
     }
-    settings = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": max_length,
-        "added_tokens_decoder": {
-            str(VOCAB[token]): {
-                "content": token,
-                "lstrip": False,
-                "normalized": False,
-                "rstrip": False,
-                "single_word": False,
-                "special": True,
-            }
-            for token in SPECIAL_TOKENS
-        },
-        **roles,
-    }
-    (directory / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
-    (directory / "special_tokens_map.json").write_text(json.dumps(roles, indent=2) + "\n")
+    write_tokenizer_config(
+        directory,
+        {token: VOCAB[token] for token in SPECIAL_TOKENS},
+        roles,
+        tokenizer_class="PreTrainedTokenizerFast",
+        clean_up_tokenization_spaces=False,
+        model_max_length=max_length,
+    )
