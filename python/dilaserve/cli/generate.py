@@ -7,7 +7,7 @@ import sys
 
 from dilaserve.cli.common import add_model_arguments, load_model_from_args, model_dir
 from dilaserve.models import encode_prompt, load_tokenizer
-from dilaserve.worker.generate import generate
+from dilaserve.worker.generate import generate, whole_blocks
 from dilaserve.worker.runner import StepRunner
 
 
@@ -28,8 +28,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--max-tokens",
         type=int,
         default=None,
-        help="output positions (default: the prompt's token count, enough for every task "
-        "dilaserve-tiny knows)",
+        help="output positions (default: the prompt's token count plus one, rounded up to "
+        "whole blocks: enough for every task dilaserve-tiny knows)",
     )
     p.add_argument("--stats", action="store_true", help="also print steps and tokens per step")
     add_model_arguments(p)
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     (result,) = generate(
         runner,
         [prompt_ids],
-        gen_length=args.max_tokens or len(prompt_ids),
+        gen_length=args.max_tokens or whole_blocks(len(prompt_ids) + 1, args.block_length),
         block_length=args.block_length,
         threshold=args.threshold,
         stop_at_eos=True,

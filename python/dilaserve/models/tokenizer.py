@@ -1,6 +1,8 @@
 """Loading a checkpoint's tokenizer from its directory, never running repository code.
 
-Tokenizers with a built-in transformers class load through `AutoTokenizer`. Dream's
+A tokenizer config naming a built-in transformers class loads through that class; one
+naming none loads through `AutoTokenizer` (which reads `config.json` to choose, and warns
+on a model type transformers does not know, such as `llada`). Dream's
 `tokenizer_config.json` names its own class (`DreamTokenizer`, shipped as remote code); it
 is Qwen2's byte-level BPE, so it loads as `PreTrainedTokenizerFast` from `tokenizer.json`
 or as transformers' `Qwen2Tokenizer` from `vocab.json` + `merges.txt`, with the special
@@ -36,8 +38,10 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     if _names_custom_class(settings):
         tokenizer = _load_builtin_equivalent(directory, settings)
     elif config_file.is_file() or (directory / TOKENIZER_JSON).is_file():
+        named = settings.get("tokenizer_class")
+        loader = getattr(transformers, named) if named else AutoTokenizer
         try:
-            tokenizer = AutoTokenizer.from_pretrained(
+            tokenizer = loader.from_pretrained(
                 directory, trust_remote_code=False, local_files_only=True
             )
         except (OSError, ValueError) as exc:

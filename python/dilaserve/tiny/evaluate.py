@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from dilaserve.models import encode_prompt
 from dilaserve.tiny.tasks import Problem, check
-from dilaserve.worker.generate import generate
+from dilaserve.worker.generate import generate, whole_blocks
 from dilaserve.worker.runner import StepRunner
 
 THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
@@ -54,7 +54,7 @@ class SweepRow:
 
 def gen_length(problem: Problem, block_length: int) -> int:
     """Output positions offered: the answer bound plus EOS, rounded up to whole blocks."""
-    return -(-(problem.max_tokens + 1) // block_length) * block_length
+    return whole_blocks(problem.max_tokens + 1, block_length)
 
 
 def decode_problems(
