@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     )
     print(tokenizer.decode(result.output_ids, skip_special_tokens=True))
     if args.stats:
-        committed = sum(t != model.config.mask_token_id for t in result.state.output_ids)
+        committed = result.state.output_length - result.state.num_masked
         print(
             f"steps={result.steps} committed_tokens={committed} "
             f"tokens_per_step={committed / result.steps:.2f}",

@@ -97,7 +97,7 @@ def decode_problems(
                 text=text,
                 correct=mask_id not in result.output_ids and check(problems[i], text),
                 steps=result.steps,
-                committed=sum(t != mask_id for t in result.state.output_ids),
+                committed=result.state.output_length - result.state.num_masked,
             )
     return [outcomes[i] for i in range(len(problems))], seconds
 
