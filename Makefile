@@ -12,13 +12,15 @@ build-deps:
 install: build-deps
 	$(PYTHON) -m pip install -e '.[test]'
 
-# The main job. Until the HTTP server exists it profiles a small random LLaDA-format
-# checkpoint on this device, which runs the whole worker path (model, runner, kernels).
+# The main job. Until the HTTP server exists it answers a prompt with the embedded
+# dilaserve-tiny model and profiles that model on this device, which runs the whole worker
+# path (loader, runner, kernels).
 RUN_DIR ?= $(HOME)/.cache/dilaserve/run
 run: build-deps
 	$(PYTHON) -m pip install -e .
-	$(PYTHON) -c "from dilaserve.models.testing import write_tiny_checkpoint as w; w('$(RUN_DIR)/model', 'llada')"
-	dilaserve profile --model $(RUN_DIR)/model --output $(RUN_DIR)/profile.json
+	mkdir -p $(RUN_DIR)
+	dilaserve generate --stats "12345+67890="
+	dilaserve profile --output $(RUN_DIR)/profile.json
 
 test: install test-rust test-python
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from dilaserve import LatencyProfile, LatencyProfileError
 from dilaserve.cli import main
+from dilaserve.models import load_model
+from dilaserve.profiling import ProfileError, ProfileSettings, measure_profile
 
 
 def test_profile_command_writes_a_loadable_profile(tiny_llada_dir, tmp_path, capsys):
@@ -40,6 +43,30 @@ def test_profile_command_writes_a_loadable_profile(tiny_llada_dir, tmp_path, cap
     for kind in ("no_cache", "recompute", "cache"):
         assert all(s > 0 for _, s in profile.points(1, kind))
     assert "wrote" in capsys.readouterr().out
+
+
+SMALL_GRID = ProfileSettings(block_length=8, token_grid=(16, 48), cache_context=24, repeats=1)
+
+
+def test_profiles_the_shipped_trained_model():
+    # A trained model is sure of many answers; the cache step is still timed.
+    from dilaserve.tiny import default_model_dir
+
+    profile = measure_profile(load_model(default_model_dir()), SMALL_GRID)
+    assert {t["kind"] for t in profile["tables"]} == {"no_cache", "recompute", "cache"}
+
+
+def test_a_model_that_finishes_every_block_at_once_raises(tiny_llada_dir):
+    model = load_model(tiny_llada_dir)
+    forward = model.forward
+
+    def certain(*args, **kwargs):
+        logits = forward(*args, **kwargs)
+        return torch.zeros_like(logits).index_fill_(-1, torch.tensor([5]), 100.0)
+
+    model.forward = certain
+    with pytest.raises(ProfileError, match="no cache step"):
+        measure_profile(model, SMALL_GRID)
 
 
 def test_profile_command_rejects_bad_grid(tiny_llada_dir, tmp_path, capsys):

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from dilaserve.models import load_model, load_tokenizer
-from dilaserve.tiny import tasks
-from dilaserve.tiny.evaluate import EVAL_SEED
+from dilaserve.tiny import default_model_dir, tasks
+from dilaserve.tiny.evaluate import EVAL_SEED, decode_problems
 from dilaserve.tiny.tokenizer import (
     EOS_ID,
     MASK_ID,
@@ -30,6 +30,7 @@ from dilaserve.tiny.train import (
     export,
     make_example,
 )
+from dilaserve.worker.runner import StepRunner
 
 # -- task suite ---------------------------------------------------------------------------
 
@@ -247,3 +248,30 @@ def test_eval_command_prints_one_json_object_per_cell(capsys, tmp_path, untraine
     }
     assert all(set(r) == fields and r["n"] == 6 for r in rows)
     assert plot.stat().st_size > 0
+
+
+# -- the shipped model --------------------------------------------------------------------
+
+
+def test_shipped_model_is_a_small_llada_checkpoint():
+    directory = default_model_dir()
+    config = json.loads((directory / "config.json").read_text())
+    assert config["model_type"] == "llada"
+    assert sum(f.stat().st_size for f in directory.iterdir()) <= 25 * 2**20
+
+
+def test_shipped_model_answers_held_out_problems_and_lower_tau_takes_fewer_steps():
+    model, tokenizer = load_model(default_model_dir()), load_tokenizer(default_model_dir())
+    problems = tasks.make_problems(24, seed=EVAL_SEED)
+    runner = StepRunner(model, cache="dual", max_requests=len(problems))
+    strict, _ = decode_problems(runner, tokenizer, problems, threshold=0.9)
+    loose, _ = decode_problems(runner, tokenizer, problems, threshold=0.5)
+    assert sum(o.correct for o in strict) >= 20
+    assert sum(o.steps for o in loose) < sum(o.steps for o in strict)
+
+
+def test_generate_command_answers_with_the_shipped_model_by_default(capsys):
+    from dilaserve.cli import main
+
+    assert main(["generate", "12345+67890="]) == 0
+    assert capsys.readouterr().out.strip() == "80235"

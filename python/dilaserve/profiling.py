@@ -8,6 +8,7 @@ that serves requests, so the profile includes the runner's own overhead.
 from __future__ import annotations
 
 import json
+import random
 import statistics
 import time
 from collections.abc import Iterator, Sequence
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from dilaserve._core import LatencyProfile
+from dilaserve.models.config import ModelConfig
 from dilaserve.worker.runner import StepRunner
 from dilaserve.worker.state import RequestState, StepKind
 
@@ -83,31 +85,27 @@ def _requests(tokens: int, kind: StepKind, s: ProfileSettings) -> list[tuple[int
     return [(per - b, b)] * count
 
 
+class ProfileError(RuntimeError):
+    """The model kept finishing the blocks whose cache steps were to be timed."""
+
+
+# Fresh random prompts tried per timed cache step before giving up (see `_add_requests`).
+FILL_ATTEMPTS = 8
+
+
 def _time_step(model: torch.nn.Module, kind: StepKind, tokens: int, s: ProfileSettings) -> float:
     shapes = _requests(tokens, kind, s)
-    cache = "none" if kind is StepKind.NO_CACHE else "dual"
     runner = StepRunner(
         model,
-        cache=cache,
+        cache="none" if kind is StepKind.NO_CACHE else "dual",
         max_requests=len(shapes),
         max_seq_len=max(p + o for p, o in shapes),
     )
+    rng = random.Random(tokens)
     samples = []
     for trial in range(s.repeats + 1):  # the first run warms up and is dropped
-        ids = [f"{trial}-{i}" for i in range(len(shapes))]
-        for rid, (p, o) in zip(ids, shapes, strict=True):
-            runner.add(
-                RequestState.new(
-                    rid,
-                    [1] * p,
-                    o,
-                    block_length=s.block_length,
-                    mask_token_id=model.config.mask_token_id,
-                )
-            )
+        ids = _add_requests(runner, kind, shapes, s, rng, tag=str(trial))
         batch = [(rid, 1.0) for rid in ids]
-        if kind is StepKind.CACHE:
-            runner.step(batch)  # the recompute step that fills the cache
         _synchronize()
         start = time.perf_counter()
         runner.step(batch)
@@ -117,6 +115,50 @@ def _time_step(model: torch.nn.Module, kind: StepKind, tokens: int, s: ProfileSe
         for rid in ids:
             runner.release(rid)
     return statistics.median(samples)
+
+
+def _add_requests(
+    runner: StepRunner,
+    kind: StepKind,
+    shapes: list[tuple[int, int]],
+    s: ProfileSettings,
+    rng: random.Random,
+    tag: str,
+) -> list[str]:
+    """Adds requests whose next step is of `kind`; returns their ids.
+
+    Prompts are random token ids, which leave a trained model unsure of its answer. For a
+    cache step the recompute step that fills the cache runs first at τ = 1.0; a model can
+    still be certain of a whole block and finish it there, leaving no cache step to time,
+    so then the requests are drawn again.
+    """
+    config = runner.model.config
+    for attempt in range(FILL_ATTEMPTS):
+        ids = [f"{tag}-{attempt}-{i}" for i in range(len(shapes))]
+        for rid, (p, o) in zip(ids, shapes, strict=True):
+            prompt = [_random_token(rng, config) for _ in range(p)]
+            runner.add(
+                RequestState.new(
+                    rid, prompt, o, block_length=s.block_length, mask_token_id=config.mask_token_id
+                )
+            )
+        if kind is not StepKind.CACHE:
+            return ids
+        runner.step([(rid, 1.0) for rid in ids])
+        if all(runner.state(rid).next_step_kind(runner.cache_mode) is kind for rid in ids):
+            return ids
+        for rid in ids:
+            runner.release(rid)
+    raise ProfileError(
+        f"the model finished a {s.block_length}-token block in one step for {FILL_ATTEMPTS} "
+        "random prompts in a row, so no cache step could be timed"
+    )
+
+
+def _random_token(rng: random.Random, config: ModelConfig) -> int:
+    """A token id of the vocabulary other than the mask token."""
+    token = rng.randrange(config.vocab_size - 1)
+    return token + (token >= config.mask_token_id)
 
 
 def _synchronize() -> None:
