@@ -242,6 +242,31 @@ def test_duplicate_request(profile: LatencyProfile) -> None:
         s.arrive(1, arrival=0.0, deadline=10.0, prompt_len=10, output_len=64)
 
 
+@pytest.mark.parametrize(
+    ("call", "bits"),
+    [
+        (lambda s: s.arrive(-1, arrival=0.0, deadline=10.0, prompt_len=10, output_len=64), 64),
+        (lambda s: s.cancel(2**64), 64),
+        (lambda s: s.request(-1), 64),
+        (lambda s: s.step_done(-1, 0.1, []), 64),
+        (lambda s: s.step_done(1, 0.1, [StepResult(-7, 1)]), 64),
+        (lambda s: s.add_instance(-2, tp=1, gpus=[1]), 64),
+        (lambda s: s.add_instance(2, tp=1, gpus=[-1]), 32),
+        (lambda s: s.add_instance(2, tp=-1, gpus=[1]), 32),
+        (lambda s: s.drain_instance(-1), 64),
+    ],
+)
+def test_out_of_range_ids_raise_scheduler_errors(profile: LatencyProfile, call, bits) -> None:
+    s = Scheduler(profile)
+    s.add_instance(1, tp=1, gpus=[0])
+    s.arrive(1, arrival=0.0, deadline=10.0, prompt_len=10, output_len=64)
+    with pytest.raises(SchedulerError, match=rf"expected an integer in \[0, 2\^{bits}\)"):
+        call(s)
+    assert s.instance_ids() == [1] and s.active_requests == 1
+    with pytest.raises(TypeError):
+        s.cancel("1")
+
+
 def test_profile_missing_tp_degree() -> None:
     s = Scheduler(make_profile(degrees=(1,)))
     with pytest.raises(LatencyProfileError, match="no TP degree 4"):

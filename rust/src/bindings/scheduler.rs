@@ -2,7 +2,7 @@
 //! input, and the GIL released while a round runs.
 
 use pyo3::create_exception;
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyOverflowError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -79,6 +79,34 @@ impl From<SchedError> for PyErr {
         }
     }
 }
+
+/// An unsigned integer argument (an id, a TP degree, a GPU or node number). A negative or too
+/// large value raises `SchedulerError` (a `ValueError`, as all bad input does) instead of
+/// pyo3's `OverflowError`; a value that is no integer at all still raises `TypeError`.
+struct Unsigned<T>(T);
+
+impl<'a, 'py, T> FromPyObject<'a, 'py> for Unsigned<T>
+where
+    T: FromPyObject<'a, 'py>,
+{
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        T::extract(obj).map(Unsigned).map_err(|e| {
+            let e: PyErr = e.into();
+            if !e.is_instance_of::<PyOverflowError>(obj.py()) {
+                return e;
+            }
+            SchedulerError::new_err(format!(
+                "expected an integer in [0, 2^{}), got {}",
+                8 * std::mem::size_of::<T>(),
+                obj.repr().map(|r| r.to_string()).unwrap_or_default()
+            ))
+        })
+    }
+}
+
+type Id = Unsigned<u64>;
 
 /// A non-negative count from Python, or an error naming the field.
 fn count(field: &str, value: i64, error: impl Fn(String) -> SchedError) -> Result<u32, SchedError> {
@@ -210,7 +238,7 @@ impl PyScheduler {
     #[allow(clippy::too_many_arguments)]
     fn arrive(
         &mut self,
-        id: u64,
+        id: Id,
         arrival: f64,
         deadline: f64,
         prompt_len: i64,
@@ -219,6 +247,7 @@ impl PyScheduler {
         block_size: Option<i64>,
         thresholds: Option<Vec<f64>>,
     ) -> PyResult<()> {
+        let Unsigned(id) = id;
         let invalid = |reason| SchedError::InvalidRequest { id, reason };
         let spec = RequestSpec {
             id,
@@ -239,13 +268,14 @@ impl PyScheduler {
     /// request of the batch. Returns the ids of requests that finished.
     fn step_done(
         &mut self,
-        instance: u64,
+        instance: Id,
         measured_s: f64,
-        results: Vec<(u64, i64, Option<[f64; 5]>, bool)>,
+        results: Vec<(Id, i64, Option<[f64; 5]>, bool)>,
     ) -> PyResult<Vec<u64>> {
+        let Unsigned(instance) = instance;
         let parsed = results
             .into_iter()
-            .map(|(request, committed, confidence, finished)| {
+            .map(|(Unsigned(request), committed, confidence, finished)| {
                 let committed =
                     count("committed", committed, |reason| SchedError::BadStepReport {
                         instance,
@@ -265,23 +295,32 @@ impl PyScheduler {
             .to_vec())
     }
 
-    fn cancel(&mut self, id: u64) -> PyResult<()> {
-        Ok(self.inner.cancel(id)?)
+    fn cancel(&mut self, id: Id) -> PyResult<()> {
+        Ok(self.inner.cancel(id.0)?)
     }
 
-    #[pyo3(signature = (id, *, tp, gpus, node=0))]
-    fn add_instance(&mut self, id: u64, tp: u32, gpus: Vec<u32>, node: u32) -> PyResult<()> {
-        Ok(self
-            .inner
-            .add_instance(InstanceSpec { id, tp, gpus, node })?)
+    #[pyo3(signature = (id, *, tp, gpus, node=Unsigned(0)))]
+    fn add_instance(
+        &mut self,
+        id: Id,
+        tp: Unsigned<u32>,
+        gpus: Vec<Unsigned<u32>>,
+        node: Unsigned<u32>,
+    ) -> PyResult<()> {
+        Ok(self.inner.add_instance(InstanceSpec {
+            id: id.0,
+            tp: tp.0,
+            gpus: gpus.into_iter().map(|g| g.0).collect(),
+            node: node.0,
+        })?)
     }
 
-    fn drain_instance(&mut self, id: u64) -> PyResult<()> {
-        Ok(self.inner.drain_instance(id)?)
+    fn drain_instance(&mut self, id: Id) -> PyResult<()> {
+        Ok(self.inner.drain_instance(id.0)?)
     }
 
-    fn remove_instance(&mut self, id: u64) -> PyResult<()> {
-        Ok(self.inner.remove_instance(id)?)
+    fn remove_instance(&mut self, id: Id) -> PyResult<()> {
+        Ok(self.inner.remove_instance(id.0)?)
     }
 
     /// Runs one round at time `now` with the GIL released.
@@ -297,8 +336,8 @@ impl PyScheduler {
     }
 
     /// State of one request as a dict (see `dilaserve.scheduler.RequestInfo`).
-    fn request<'py>(&self, py: Python<'py>, id: u64) -> PyResult<Bound<'py, PyDict>> {
-        let r = self.inner.request(id)?;
+    fn request<'py>(&self, py: Python<'py>, id: Id) -> PyResult<Bound<'py, PyDict>> {
+        let r = self.inner.request(id.0)?;
         let d = PyDict::new(py);
         d.set_item("id", r.id)?;
         d.set_item("arrival", r.arrival)?;
@@ -327,8 +366,8 @@ impl PyScheduler {
     }
 
     /// State of one instance as a dict (see `dilaserve.scheduler.InstanceInfo`).
-    fn instance<'py>(&self, py: Python<'py>, id: u64) -> PyResult<Bound<'py, PyDict>> {
-        let i = self.inner.instance(id)?;
+    fn instance<'py>(&self, py: Python<'py>, id: Id) -> PyResult<Bound<'py, PyDict>> {
+        let i = self.inner.instance(id.0)?;
         let d = PyDict::new(py);
         d.set_item("id", i.id)?;
         d.set_item("tp", i.tp)?;
