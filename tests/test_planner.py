@@ -129,6 +129,8 @@ def test_bad_inputs_raise_typed_errors(profile: LatencyProfile) -> None:
         plan(replace(cluster(1.0), current=twice), profile)
     with pytest.raises(PlannerInputError, match="slo_seconds"):
         plan(cluster(1.0, slo_seconds=-1.0), profile)
+    with pytest.raises(PlannerInputError, match="token counts must be non-negative"):
+        Arrival(0.0, prompt_tokens=-5, output_tokens=10)
 
 
 @pytest.mark.skipif("microlp" not in available_solvers(), reason="microlp not compiled in")
