@@ -85,8 +85,9 @@ def _requests(tokens: int, kind: StepKind, s: ProfileSettings) -> list[tuple[int
     return [(per - b, b)] * count
 
 
-class ProfileError(RuntimeError):
-    """The model kept finishing the blocks whose cache steps were to be timed."""
+class ProfileError(ValueError):
+    """The model kept finishing the blocks whose cache steps were to be timed (a `ValueError`:
+    the command line reports it as bad input)."""
 
 
 # Fresh random prompts tried per timed cache step before giving up (see `_add_requests`).
