@@ -11,6 +11,7 @@ from dilaserve import LatencyProfile, LatencyProfileError
 from dilaserve.cli import main
 from dilaserve.models import load_model
 from dilaserve.profiling import ProfileError, ProfileSettings, measure_profile
+from dilaserve.tiny import default_model_dir
 
 
 def test_profile_command_writes_a_loadable_profile(tiny_llada_dir, tmp_path, capsys):
@@ -50,8 +51,6 @@ SMALL_GRID = ProfileSettings(block_length=8, token_grid=(16, 48), cache_context=
 
 def test_profiles_the_shipped_trained_model():
     # A trained model is sure of many answers; the cache step is still timed.
-    from dilaserve.tiny import default_model_dir
-
     profile = measure_profile(load_model(default_model_dir()), SMALL_GRID)
     assert {t["kind"] for t in profile["tables"]} == {"no_cache", "recompute", "cache"}
 

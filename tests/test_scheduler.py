@@ -256,7 +256,9 @@ def test_duplicate_request(profile: LatencyProfile) -> None:
         (lambda s: s.drain_instance(-1), 64),
     ],
 )
-def test_out_of_range_ids_raise_scheduler_errors(profile: LatencyProfile, call, bits) -> None:
+def test_out_of_range_unsigned_arguments_raise_scheduler_errors(
+    profile: LatencyProfile, call, bits
+) -> None:
     s = Scheduler(profile)
     s.add_instance(1, tp=1, gpus=[0])
     s.arrive(1, arrival=0.0, deadline=10.0, prompt_len=10, output_len=64)

@@ -257,7 +257,7 @@ def test_shipped_model_is_a_small_llada_checkpoint():
     directory = default_model_dir()
     config = json.loads((directory / "config.json").read_text())
     assert config["model_type"] == "llada"
-    assert sum(f.stat().st_size for f in directory.iterdir()) <= 25 * 2**20
+    assert sum(f.stat().st_size for f in directory.iterdir()) <= 25_000_000
 
 
 def test_shipped_model_answers_held_out_problems_and_lower_tau_takes_fewer_steps():
