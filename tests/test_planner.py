@@ -129,8 +129,11 @@ def test_bad_inputs_raise_typed_errors(profile: LatencyProfile) -> None:
         plan(replace(cluster(1.0), current=twice), profile)
     with pytest.raises(PlannerInputError, match="slo_seconds"):
         plan(cluster(1.0, slo_seconds=-1.0), profile)
-    with pytest.raises(PlannerInputError, match="token counts must be non-negative"):
-        Arrival(0.0, prompt_tokens=-5, output_tokens=10)
+    negative = [Arrival(0.0, prompt_tokens=-5, output_tokens=10)]
+    with pytest.raises(PlannerInputError, match=r"expected an integer in \[0, 2\^64\), got -5"):
+        classes_from_arrivals(negative, 0.0, 1.0)
+    with pytest.raises(PlannerInputError, match="got -1"):
+        classes_from_arrivals(negative[:0], 0.0, 1.0, BinSpec(prompt_bins=-1))
 
 
 @pytest.mark.skipif("microlp" not in available_solvers(), reason="microlp not compiled in")

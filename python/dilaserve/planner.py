@@ -128,10 +128,6 @@ class Arrival:
     prompt_tokens: int
     output_tokens: int
 
-    def __post_init__(self) -> None:
-        if min(self.prompt_tokens, self.output_tokens) < 0:
-            raise PlannerInputError(f"token counts must be non-negative: {self}")
-
 
 @dataclass(frozen=True)
 class BinSpec:

@@ -6,6 +6,7 @@ use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
+use super::args::Unsigned;
 use super::profile::PyLatencyProfile;
 use crate::planner::{
     self, Arrival, BinSpec, PlannerError, PlannerInputs, SolverKind, ThresholdOption,
@@ -34,12 +35,16 @@ fn to_py(e: PlannerError) -> PyErr {
     }
 }
 
-fn arrivals(raw: Vec<(f64, u64, u64)>) -> Vec<Arrival> {
+/// Unsigned arguments of the planner raise `PlannerInputError` when out of range.
+type Count<T> = Unsigned<T, PlannerInputError>;
+type RawArrival = (f64, Count<u64>, Count<u64>);
+
+fn arrivals(raw: Vec<RawArrival>) -> Vec<Arrival> {
     raw.into_iter()
         .map(|(time, prompt_tokens, output_tokens)| Arrival {
             time,
-            prompt_tokens,
-            output_tokens,
+            prompt_tokens: prompt_tokens.0,
+            output_tokens: output_tokens.0,
         })
         .collect()
 }
@@ -87,16 +92,16 @@ fn plan_capacity_json(
 /// `(prompt tokens, output tokens, rate)` classes.
 #[pyfunction]
 fn classes_from_arrivals(
-    arrivals_raw: Vec<(f64, u64, u64)>,
+    arrivals_raw: Vec<RawArrival>,
     start: f64,
     end: f64,
-    prompt_bins: usize,
-    output_bins: usize,
+    prompt_bins: Count<usize>,
+    output_bins: Count<usize>,
     rate_margin: f64,
 ) -> PyResult<Vec<(f64, f64, f64)>> {
     let spec = BinSpec {
-        prompt_bins,
-        output_bins,
+        prompt_bins: prompt_bins.0,
+        output_bins: output_bins.0,
         rate_margin,
     };
     let classes = planner::classes_from_arrivals(&arrivals(arrivals_raw), start, end, &spec)
@@ -111,10 +116,10 @@ fn classes_from_arrivals(
 #[pyfunction]
 fn mean_isolated_latency(
     profile: &Bound<'_, PyLatencyProfile>,
-    arrivals_raw: Vec<(f64, u64, u64)>,
+    arrivals_raw: Vec<RawArrival>,
     tokens_per_step: f64,
     caching: bool,
-    block_length: u32,
+    block_length: Count<u32>,
 ) -> PyResult<f64> {
     let top = ThresholdOption {
         threshold: 1.0,
@@ -125,7 +130,7 @@ fn mean_isolated_latency(
         &arrivals(arrivals_raw),
         top,
         caching,
-        block_length,
+        block_length.0,
     )
     .map_err(to_py)
 }

@@ -2,10 +2,11 @@
 //! input, and the GIL released while a round runs.
 
 use pyo3::create_exception;
-use pyo3::exceptions::{PyOverflowError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use super::args::Unsigned;
 use super::decisions::PyDecisions;
 use super::profile::PyLatencyProfile;
 use crate::scheduler::{
@@ -80,33 +81,9 @@ impl From<SchedError> for PyErr {
     }
 }
 
-/// An unsigned integer argument (an id, a TP degree, a GPU or node number). A negative or too
-/// large value raises `SchedulerError` (a `ValueError`, as all bad input does) instead of
-/// pyo3's `OverflowError`; a value that is no integer at all still raises `TypeError`.
-struct Unsigned<T>(T);
-
-impl<'a, 'py, T> FromPyObject<'a, 'py> for Unsigned<T>
-where
-    T: FromPyObject<'a, 'py>,
-{
-    type Error = PyErr;
-
-    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        T::extract(obj).map(Unsigned).map_err(|e| {
-            let e: PyErr = e.into();
-            if !e.is_instance_of::<PyOverflowError>(obj.py()) {
-                return e;
-            }
-            SchedulerError::new_err(format!(
-                "expected an integer in [0, 2^{}), got {}",
-                8 * std::mem::size_of::<T>(),
-                obj.repr().map(|r| r.to_string()).unwrap_or_default()
-            ))
-        })
-    }
-}
-
-type Id = Unsigned<u64>;
+/// Unsigned arguments of the scheduler raise `SchedulerError` when out of range.
+type Id = Unsigned<u64, SchedulerError>;
+type Small = Unsigned<u32, SchedulerError>;
 
 /// A non-negative count from Python, or an error naming the field.
 fn count(field: &str, value: i64, error: impl Fn(String) -> SchedError) -> Result<u32, SchedError> {
@@ -247,7 +224,7 @@ impl PyScheduler {
         block_size: Option<i64>,
         thresholds: Option<Vec<f64>>,
     ) -> PyResult<()> {
-        let Unsigned(id) = id;
+        let id = id.0;
         let invalid = |reason| SchedError::InvalidRequest { id, reason };
         let spec = RequestSpec {
             id,
@@ -272,10 +249,11 @@ impl PyScheduler {
         measured_s: f64,
         results: Vec<(Id, i64, Option<[f64; 5]>, bool)>,
     ) -> PyResult<Vec<u64>> {
-        let Unsigned(instance) = instance;
+        let instance = instance.0;
         let parsed = results
             .into_iter()
-            .map(|(Unsigned(request), committed, confidence, finished)| {
+            .map(|(request, committed, confidence, finished)| {
+                let request = request.0;
                 let committed =
                     count("committed", committed, |reason| SchedError::BadStepReport {
                         instance,
@@ -299,14 +277,8 @@ impl PyScheduler {
         Ok(self.inner.cancel(id.0)?)
     }
 
-    #[pyo3(signature = (id, *, tp, gpus, node=Unsigned(0)))]
-    fn add_instance(
-        &mut self,
-        id: Id,
-        tp: Unsigned<u32>,
-        gpus: Vec<Unsigned<u32>>,
-        node: Unsigned<u32>,
-    ) -> PyResult<()> {
+    #[pyo3(signature = (id, *, tp, gpus, node=Unsigned::new(0)))]
+    fn add_instance(&mut self, id: Id, tp: Small, gpus: Vec<Small>, node: Small) -> PyResult<()> {
         Ok(self.inner.add_instance(InstanceSpec {
             id: id.0,
             tp: tp.0,
