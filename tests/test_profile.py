@@ -108,6 +108,15 @@ def test_malformed_profiles_raise(text, message):
         LatencyProfile.from_json(text)
 
 
+def test_negative_degrees_and_token_counts_raise():
+    with pytest.raises(LatencyProfileError, match=r"expected an integer in \[0, 2\^32\)"):
+        LatencyProfile.from_tables([(-1, "cache", [(32, 0.01)])])
+    with pytest.raises(LatencyProfileError, match="got -32"):
+        LatencyProfile.from_tables([(1, "cache", [(-32, 0.01)])])
+    with pytest.raises(LatencyProfileError, match="got -1"):
+        LatencyProfile.from_tables([(1, "cache", [(32, 0.01)])]).latency(-1, "cache", 8)
+
+
 def test_missing_degree_or_kind_raises():
     p = LatencyProfile.from_tables([(1, "cache", [(32, 0.01)])])
     with pytest.raises(LatencyProfileError, match="no TP degree 2"):

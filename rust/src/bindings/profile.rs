@@ -6,6 +6,7 @@ use pyo3::create_exception;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
+use super::args::Unsigned;
 use crate::profile::{LatencyProfile, ProfileError, StepKind};
 
 create_exception!(
@@ -25,7 +26,9 @@ impl From<ProfileError> for PyErr {
 }
 
 /// One `(tp, kind, [(tokens, seconds), ...])` table as Python passes it.
-type TableArg = (u32, String, Vec<(u64, f64)>);
+/// Unsigned arguments of a profile raise `LatencyProfileError` when out of range.
+type Count<T> = Unsigned<T, LatencyProfileError>;
+type TableArg = (Count<u32>, String, Vec<(Count<u64>, f64)>);
 
 /// Measured per-step latency by TP degree, step kind and batch tokens.
 #[pyclass(name = "LatencyProfile", module = "dilaserve._core", frozen)]
@@ -56,7 +59,10 @@ impl PyLatencyProfile {
     fn from_tables(tables: Vec<TableArg>) -> PyResult<Self> {
         let parsed = tables
             .into_iter()
-            .map(|(tp, kind, points)| Ok((tp, kind.parse::<StepKind>()?, points)))
+            .map(|(tp, kind, points)| {
+                let points = points.into_iter().map(|(t, s)| (t.0, s)).collect();
+                Ok((tp.0, kind.parse::<StepKind>()?, points))
+            })
             .collect::<Result<Vec<_>, ProfileError>>()?;
         Ok(Self {
             inner: LatencyProfile::from_tables(parsed)?,
@@ -68,13 +74,13 @@ impl PyLatencyProfile {
     }
 
     /// Seconds for one `kind` step over `tokens` batch tokens on a TP-`tp` instance.
-    fn latency(&self, tp: u32, kind: &str, tokens: f64) -> PyResult<f64> {
-        Ok(self.inner.latency(tp, kind.parse()?, tokens)?)
+    fn latency(&self, tp: Count<u32>, kind: &str, tokens: f64) -> PyResult<f64> {
+        Ok(self.inner.latency(tp.0, kind.parse()?, tokens)?)
     }
 
     /// Measured `(tokens, seconds)` points of one table.
-    fn points(&self, tp: u32, kind: &str) -> PyResult<Vec<(u64, f64)>> {
-        Ok(self.inner.table(tp, kind.parse()?)?.points().collect())
+    fn points(&self, tp: Count<u32>, kind: &str) -> PyResult<Vec<(u64, f64)>> {
+        Ok(self.inner.table(tp.0, kind.parse()?)?.points().collect())
     }
 
     fn degrees(&self) -> Vec<u32> {
