@@ -7,7 +7,7 @@ import sys
 
 from dilaserve.cli.common import add_model_arguments, load_model_from_args, model_dir
 from dilaserve.models import encode_prompt, load_tokenizer
-from dilaserve.worker.generate import generate, whole_blocks
+from dilaserve.worker.generate import generate
 from dilaserve.worker.runner import StepRunner
 
 
@@ -48,14 +48,14 @@ def run(args: argparse.Namespace) -> int:
     (result,) = generate(
         runner,
         [prompt_ids],
-        gen_length=args.max_tokens or whole_blocks(len(prompt_ids) + 1, args.block_length),
+        gen_length=args.max_tokens or len(prompt_ids) + 1,  # RequestState rounds up to blocks
         block_length=args.block_length,
         threshold=args.threshold,
         stop_at_eos=True,
     )
     print(tokenizer.decode(result.output_ids, skip_special_tokens=True))
     if args.stats:
-        committed = result.state.output_length - result.state.num_masked
+        committed = result.state.num_committed
         print(
             f"steps={result.steps} committed_tokens={committed} "
             f"tokens_per_step={committed / result.steps:.2f}",

@@ -19,8 +19,9 @@ from transformers import PreTrainedTokenizerBase
 
 from dilaserve.models import encode_prompt
 from dilaserve.tiny.tasks import Problem, check
-from dilaserve.worker.generate import generate, whole_blocks
+from dilaserve.worker.generate import generate
 from dilaserve.worker.runner import StepRunner
+from dilaserve.worker.state import whole_blocks
 
 THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 CACHE_MODES = ("none", "prefix", "dual")
@@ -97,7 +98,7 @@ def decode_problems(
                 text=text,
                 correct=mask_id not in result.output_ids and check(problems[i], text),
                 steps=result.steps,
-                committed=result.state.output_length - result.state.num_masked,
+                committed=result.state.num_committed,
             )
     return [outcomes[i] for i in range(len(problems))], seconds
 

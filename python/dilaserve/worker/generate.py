@@ -19,12 +19,6 @@ class Generation:
     state: RequestState
 
 
-def whole_blocks(tokens: int, block_length: int) -> int:
-    """Output positions for `tokens` tokens: rounded up to whole blocks, as decoding goes
-    block by block."""
-    return -(-tokens // block_length) * block_length
-
-
 def generate(
     runner: StepRunner,
     prompts: Sequence[Sequence[int]],

@@ -27,6 +27,12 @@ class CacheMode(enum.StrEnum):
     DUAL = "dual"
 
 
+def whole_blocks(tokens: int, block_length: int) -> int:
+    """Output positions for `tokens` tokens: rounded up to whole blocks, as decoding goes
+    block by block."""
+    return -(-tokens // block_length) * block_length
+
+
 class InvalidRequestError(ValueError):
     """A request's token state is malformed or does not fit the runner."""
 
@@ -63,11 +69,10 @@ class RequestState:
             raise InvalidRequestError(f"block_length must be positive, got {block_length}")
         if gen_length <= 0:
             raise InvalidRequestError(f"gen_length must be positive, got {gen_length}")
-        blocks = -(-gen_length // block_length)
         state = cls(
             request_id=request_id,
             prompt_ids=list(prompt_ids),
-            output_ids=[mask_token_id] * (blocks * block_length),
+            output_ids=[mask_token_id] * whole_blocks(gen_length, block_length),
             block_length=block_length,
             mask_token_id=mask_token_id,
             eos_token_id=eos_token_id,
@@ -105,6 +110,11 @@ class RequestState:
     @property
     def num_masked(self) -> int:
         return sum(1 for t in self.output_ids if t == self.mask_token_id)
+
+    @property
+    def num_committed(self) -> int:
+        """Output positions unmasked so far (EOS padding included)."""
+        return self.output_length - self.num_masked
 
     def first_masked(self) -> int | None:
         """Output index of the first masked position, None when all are unmasked."""
