@@ -25,9 +25,9 @@ impl From<ProfileError> for PyErr {
     }
 }
 
-/// One `(tp, kind, [(tokens, seconds), ...])` table as Python passes it.
 /// Unsigned arguments of a profile raise `LatencyProfileError` when out of range.
 type Count<T> = Unsigned<T, LatencyProfileError>;
+/// One `(tp, kind, [(tokens, seconds), ...])` table as Python passes it.
 type TableArg = (Count<u32>, String, Vec<(Count<u64>, f64)>);
 
 /// Measured per-step latency by TP degree, step kind and batch tokens.
