@@ -201,3 +201,16 @@ def test_transitions_never_share_gpus(profile: LatencyProfile, case) -> None:
             assert not cells & busy
             busy |= cells
     assert busy == {(i.node, g) for i in result.transition.instances for g in i.gpus}
+
+
+def test_plan_transition_to_chosen_counts_keeps_running_instances():
+    from dilaserve.planner import Deployment, Instance, LaunchAction, StopAction, plan_transition
+
+    running = Deployment(instances=(Instance(0, 1, (0,)), Instance(0, 1, (1,))))
+    up = plan_transition([3], {1: 3}, running)
+    assert up.kept == (0, 1) and [type(a) for a in up.actions] == [LaunchAction]
+    assert up.actions[0].gpus == (2,)
+    down = plan_transition([3], {1: 1}, Deployment(instances=up.instances))
+    assert len(down.kept) == 1 and [type(a) for a in down.actions] == [StopAction] * 2
+    with pytest.raises(PlannerInputError, match="do not fit"):
+        plan_transition([3], {1: 4}, running)

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from dilaserve.models import load_model
+from dilaserve.protocol import RequestState, StepEntry, StepKind, TokenStateError
+from dilaserve.worker.errors import MigrationError, RequestNotHeldError, StepRejectedError
 from dilaserve.worker.generate import generate
-from dilaserve.worker.runner import MigrationError, StepRunner, UnknownRequestError
-from dilaserve.worker.state import InvalidRequestError, RequestState, StepKind
+from dilaserve.worker.runner import StepRunner
 
 BLOCK = 8
 CACHE_MODES = ["none", "prefix", "dual"]
@@ -29,6 +30,11 @@ def _prompts(model, lengths=(5, 11, 3)):
         ids = torch.randint(0, vocab, (n,), generator=g).tolist()
         prompts.append([t if t != mask else (t + 1) % vocab for t in ids])
     return prompts
+
+
+def _step(runner, batch):
+    """One step of `(request id, τ)` pairs, each of the kind that continues it there."""
+    return runner.step([StepEntry(rid, tau, runner.next_kind(rid)) for rid, tau in batch])
 
 
 def _reference_decode(model, prompt, gen_length, taus):
@@ -69,15 +75,15 @@ def test_no_cache_matches_reference_loop(model, taus):
     runner = StepRunner(model, cache="none")
     runner.add(
         RequestState.new(
-            "r", prompt, 2 * BLOCK, block_length=BLOCK, mask_token_id=model.config.mask_token_id
+            1, prompt, 2 * BLOCK, block_length=BLOCK, mask_token_id=model.config.mask_token_id
         )
     )
     steps = 0
-    while not runner.state("r").done:
-        out = runner.step([("r", taus(steps))]).outputs[0]
+    while not runner.state(1).done:
+        out = _step(runner, [(1, taus(steps))]).outputs[0]
         assert out.kind is StepKind.NO_CACHE
         steps += 1
-    assert runner.state("r").output_ids == expected
+    assert runner.state(1).output_ids == expected
     assert steps == expected_steps
 
 
@@ -91,24 +97,22 @@ def test_batch_equals_alone(model, cache):
     for prompt, tau, gen in zip(prompts, taus, gens, strict=True):
         alone.append(generate(runner, [prompt], gen_length=gen, block_length=BLOCK, threshold=tau))
     states = [
-        RequestState.new(
-            f"r{i}", p, g, block_length=BLOCK, mask_token_id=model.config.mask_token_id
-        )
+        RequestState.new(10 + i, p, g, block_length=BLOCK, mask_token_id=model.config.mask_token_id)
         for i, (p, g) in enumerate(zip(prompts, gens, strict=True))
     ]
     # Stagger arrivals so that recompute and cache steps share a batch.
     runner.add(states[0])
-    runner.step([("r0", taus[0])])
+    _step(runner, [(10, taus[0])])
     runner.add(states[1])
     runner.add(states[2])
     kinds_seen = set()
-    active = {"r0": taus[0], "r1": taus[1], "r2": taus[2]}
+    active = {10: taus[0], 11: taus[1], 12: taus[2]}
     while active:
-        result = runner.step(list(active.items()))
+        result = _step(runner, list(active.items()))
         kinds_seen.add(frozenset(o.kind for o in result.outputs))
         active = {o.request_id: active[o.request_id] for o in result.outputs if not o.done}
     for i, a in enumerate(alone):
-        final = runner.state(f"r{i}")
+        final = runner.state(10 + i)
         assert final.output_ids == a[0].output_ids
         assert final.steps_done == a[0].steps
     if cache != "none":
@@ -148,12 +152,12 @@ def test_step_kinds_and_stats(model):
     prompt = _prompts(model, (5,))[0]
     runner.add(
         RequestState.new(
-            "r", prompt, 2 * BLOCK, block_length=BLOCK, mask_token_id=model.config.mask_token_id
+            1, prompt, 2 * BLOCK, block_length=BLOCK, mask_token_id=model.config.mask_token_id
         )
     )
     kinds = []
-    while not runner.state("r").done:
-        out = runner.step([("r", 1.0)]).outputs[0]
+    while not runner.state(1).done:
+        out = _step(runner, [(1, 1.0)]).outputs[0]
         kinds.append(out.kind)
         lo, q25, med, mean, q75 = out.confidence_stats
         assert 0.0 < lo <= q25 <= med <= q75 <= 1.0
@@ -170,78 +174,100 @@ def test_migration_resumes_identically(model, cache):
     taus = [1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0]
 
     def fresh():
-        return RequestState.new("r", prompt, 3 * BLOCK, block_length=BLOCK, mask_token_id=mask)
+        return RequestState.new(1, prompt, 3 * BLOCK, block_length=BLOCK, mask_token_id=mask)
 
     straight = StepRunner(model, cache=cache, max_requests=2, max_seq_len=64)
     straight.add(fresh())
     i = 0
-    while not straight.state("r").done:
-        straight.step([("r", taus[i % len(taus)])])
+    while not straight.state(1).done:
+        _step(straight, [(1, taus[i % len(taus)])])
         i += 1
 
     a = StepRunner(model, cache=cache, max_requests=2, max_seq_len=64)
     b = StepRunner(model, cache=cache, max_requests=3, max_seq_len=64)
-    b.add(RequestState.new("other", prompt, BLOCK, block_length=BLOCK, mask_token_id=mask))
+    b.add(RequestState.new(2, prompt, BLOCK, block_length=BLOCK, mask_token_id=mask))
     a.add(fresh())
     i = 0
-    while a.state("r").current_block == 0 or a.state("r").block_steps != 0:
-        a.step([("r", taus[i % len(taus)])])
+    while a.state(1).current_block == 0 or a.state(1).block_steps != 0:
+        _step(a, [(1, taus[i % len(taus)])])
         i += 1
-    moved = a.export("r")
-    assert "r" not in a
+    moved = a.export(1)
+    assert 1 not in a
     b.add(moved)
-    while not b.state("r").done:
-        b.step([("r", taus[i % len(taus)])])
+    assert b.next_kind(1) is (StepKind.NO_CACHE if cache == "none" else StepKind.RECOMPUTE)
+    while not b.state(1).done:
+        _step(b, [(1, taus[i % len(taus)])])
         i += 1
-    assert b.state("r").output_ids == straight.state("r").output_ids
-    assert b.state("r").steps_done == straight.state("r").steps_done
+    assert b.state(1).output_ids == straight.state(1).output_ids
+    assert b.state(1).steps_done == straight.state(1).steps_done
 
 
 def test_no_migration_before_a_cache_step(model):
     mask = model.config.mask_token_id
     runner = StepRunner(model, cache="dual", max_requests=1, max_seq_len=64)
-    runner.add(RequestState.new("r", [1, 2, 3], 2 * BLOCK, block_length=BLOCK, mask_token_id=mask))
-    runner.step([("r", 1.0)])
+    runner.add(RequestState.new(1, [1, 2, 3], 2 * BLOCK, block_length=BLOCK, mask_token_id=mask))
+    _step(runner, [(1, 1.0)])
     with pytest.raises(MigrationError):
-        runner.export("r")
-    mid_block = runner.state("r")
-    other = StepRunner(model, cache="dual", max_requests=1, max_seq_len=64)
-    with pytest.raises(MigrationError):
-        other.add(mid_block)
+        runner.export(1)
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_the_command_decides_the_step_kind(model, cache):
+    """A request that arrives mid-block (migrated, or resumed after a lost worker) runs a
+    recompute step that rebuilds its cache, then continues with cache steps; a cache step
+    without this instance's K/V is refused, and so is a kind foreign to the cache mode."""
+    mask = model.config.mask_token_id
+    home = StepRunner(model, cache=cache, max_requests=1, max_seq_len=64)
+    home.add(RequestState.new(1, [1, 2, 3], 2 * BLOCK, block_length=BLOCK, mask_token_id=mask))
+    _step(home, [(1, 1.0)])
+    mid_block = home.state(1)
+    assert mid_block.block_steps == 1
+    other = StepRunner(model, cache=cache, max_requests=1, max_seq_len=64)
+    other.add(mid_block)
+    with pytest.raises(StepRejectedError, match="cache step needs"):
+        other.step([StepEntry(1, 1.0, StepKind.CACHE)])
+    with pytest.raises(StepRejectedError, match="cannot run with cache mode"):
+        other.step([StepEntry(1, 1.0, StepKind.NO_CACHE)])
+    out = other.step([StepEntry(1, 1.0, StepKind.RECOMPUTE)]).outputs[0]
+    assert out.kind is StepKind.RECOMPUTE and out.block == 0
+    assert other.next_kind(1) is StepKind.CACHE
+    while not other.state(1).done:
+        _step(other, [(1, 1.0)])
+    assert other.state(1).num_masked == 0
 
 
 def test_bad_input_is_rejected_without_harming_others(model):
     mask = model.config.mask_token_id
     runner = StepRunner(model, cache="dual", max_requests=2, max_seq_len=40)
-    runner.add(RequestState.new("ok", [1, 2], BLOCK, block_length=BLOCK, mask_token_id=mask))
-    before = runner.state("ok")
+    runner.add(RequestState.new(3, [1, 2], BLOCK, block_length=BLOCK, mask_token_id=mask))
+    before = runner.state(3)
     out = [mask] * BLOCK
     bad = [
-        RequestState("x", [1, 2], [mask] * 5, BLOCK, mask),
-        RequestState("x", [], out, BLOCK, mask),
-        RequestState("x", [mask], out, BLOCK, mask),
-        RequestState("x", [model.config.vocab_size], out, BLOCK, mask),
-        RequestState("x", [1] * 40, out, BLOCK, mask),
-        RequestState("x", [1], out, BLOCK, mask + 1),
-        RequestState("ok", [1], out, BLOCK, mask),
+        RequestState(4, [1, 2], [mask] * 5, BLOCK, mask),
+        RequestState(4, [], out, BLOCK, mask),
+        RequestState(4, [mask], out, BLOCK, mask),
+        RequestState(4, [model.config.vocab_size], out, BLOCK, mask),
+        RequestState(4, [1] * 40, out, BLOCK, mask),
+        RequestState(4, [1], out, BLOCK, mask + 1),
+        RequestState(3, [1], out, BLOCK, mask),
     ]
     for state in bad:
-        with pytest.raises(InvalidRequestError):
+        with pytest.raises(TokenStateError):
             runner.add(state)
-    with pytest.raises(UnknownRequestError):
-        runner.step([("nope", 0.5)])
+    with pytest.raises(RequestNotHeldError):
+        _step(runner, [(99, 0.5)])
     with pytest.raises(ValueError, match="twice"):
-        runner.step([("ok", 0.5), ("ok", 0.5)])
+        _step(runner, [(3, 0.5), (3, 0.5)])
     with pytest.raises(ValueError, match="outside"):
-        runner.step([("ok", 1.5)])
+        _step(runner, [(3, 1.5)])
     with pytest.raises(ValueError):
-        runner.step([])
-    assert runner.state("ok") == before
+        _step(runner, [])
+    assert runner.state(3) == before
     assert len(runner) == 1
-    result = runner.step([("ok", 0.0)])
+    result = _step(runner, [(3, 0.0)])
     assert result.outputs[0].done
     with pytest.raises(ValueError, match="finished"):
-        runner.step([("ok", 0.0)])
+        _step(runner, [(3, 0.0)])
 
 
 def test_kv_slots_are_recycled(model):
@@ -251,9 +277,9 @@ def test_kv_slots_are_recycled(model):
         (out,) = generate(runner, [[1, 2, 3]], gen_length=BLOCK, block_length=BLOCK, threshold=0.0)
         assert out.steps == 1
     assert runner.pool is not None and runner.pool.free_slots == 1
-    runner.add(RequestState.new("a", [1], BLOCK, block_length=BLOCK, mask_token_id=mask))
+    runner.add(RequestState.new(5, [1], BLOCK, block_length=BLOCK, mask_token_id=mask))
     with pytest.raises(RuntimeError, match="slot"):
-        runner.add(RequestState.new("b", [1], BLOCK, block_length=BLOCK, mask_token_id=mask))
+        runner.add(RequestState.new(6, [1], BLOCK, block_length=BLOCK, mask_token_id=mask))
 
 
 def test_mask_token_is_never_committed(model, monkeypatch):
@@ -270,3 +296,26 @@ def test_mask_token_is_never_committed(model, monkeypatch):
     (out,) = generate(runner, [[1, 2, 3]], gen_length=BLOCK, block_length=BLOCK, threshold=0.5)
     assert mask not in out.output_ids
     assert out.steps <= BLOCK
+
+
+@pytest.mark.parametrize("cache", CACHE_MODES)
+def test_rows_with_different_block_lengths_share_a_step(model, cache):
+    """A recompute row with 8-token blocks and a cache row with 4-token blocks in one step
+    (their logits have different widths) decode as they do alone."""
+    mask = model.config.mask_token_id
+    prompts = _prompts(model, (5, 7))
+    lengths = (BLOCK, BLOCK // 2)
+    runner = StepRunner(model, cache=cache, max_requests=2, max_seq_len=64)
+    alone = [
+        generate(runner, [p], gen_length=2 * BLOCK, block_length=b, threshold=1.0)[0]
+        for p, b in zip(prompts, lengths, strict=True)
+    ]
+    for i, (p, b) in enumerate(zip(prompts, lengths, strict=True)):
+        runner.add(RequestState.new(20 + i, p, 2 * BLOCK, block_length=b, mask_token_id=mask))
+    _step(runner, [(21, 1.0)])
+    active = [20, 21]
+    while active:
+        result = _step(runner, [(rid, 1.0) for rid in active])
+        active = [o.request_id for o in result.outputs if not o.done]
+    for i, ref in enumerate(alone):
+        assert runner.state(20 + i).output_ids == ref.output_ids

@@ -119,6 +119,9 @@ def plan_json(inputs_json: str, profile: LatencyProfile) -> str:
 def plan_capacity_json(inputs_json: str, profile: LatencyProfile) -> str:
     """Stage 1 only; JSON in, JSON out (GIL released)."""
 
+def plan_transition_json(inputs_json: str) -> str:
+    """Stage 2 alone to given instance counts; JSON in, JSON out (GIL released)."""
+
 def classes_from_arrivals(
     arrivals_raw: list[tuple[float, int, int]],
     start: float,

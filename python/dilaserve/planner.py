@@ -42,6 +42,7 @@ __all__ = [
     "mean_isolated_latency",
     "plan",
     "plan_capacity",
+    "plan_transition",
 ]
 
 Solver = Literal["highs", "microlp"]
@@ -304,6 +305,28 @@ def plan(inputs: PlannerInputs, profile: LatencyProfile) -> Plan:
 def plan_capacity(inputs: PlannerInputs, profile: LatencyProfile) -> CapacityPlan:
     """Stage 1 only."""
     return _capacity(json.loads(_core.plan_capacity_json(_inputs_json(inputs), profile)))
+
+
+def plan_transition(
+    node_gpus: Sequence[int],
+    targets: Mapping[int, int],
+    current: Deployment | None = None,
+    solver: Solver = "highs",
+    time_limit_seconds: float = 10.0,
+) -> TransitionPlan:
+    """Stage 2 alone: from ``current`` to ``targets`` instances per TP degree, keeping as
+    many running instances as possible. Raises PlannerInputError when the targets do not
+    fit on the nodes."""
+    raw = asdict(current or Deployment())
+    raw["batch_tokens"] = {str(k): v for k, v in raw["batch_tokens"].items()}
+    inputs = {
+        "node_gpus": list(node_gpus),
+        "targets": {str(d): n for d, n in targets.items()},
+        "current": raw,
+        "solver": solver,
+        "time_limit_seconds": time_limit_seconds,
+    }
+    return _transition(json.loads(_core.plan_transition_json(json.dumps(inputs))))
 
 
 def _arrival_tuples(arrivals: Sequence[Arrival]) -> list[tuple[float, int, int]]:

@@ -18,8 +18,8 @@ import torch
 
 from dilaserve._core import LatencyProfile
 from dilaserve.models.config import ModelConfig
+from dilaserve.protocol import RequestState, StepEntry, StepKind
 from dilaserve.worker.runner import StepRunner
-from dilaserve.worker.state import RequestState, StepKind
 
 DEFAULT_TOKEN_GRID = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 
@@ -105,8 +105,8 @@ def _time_step(model: torch.nn.Module, kind: StepKind, tokens: int, s: ProfileSe
     rng = random.Random(tokens)
     samples = []
     for trial in range(s.repeats + 1):  # the first run warms up and is dropped
-        ids = _add_requests(runner, kind, shapes, s, rng, tag=str(trial))
-        batch = [(rid, 1.0) for rid in ids]
+        ids = _add_requests(runner, kind, shapes, s, rng, tag=trial)
+        batch = [StepEntry(rid, 1.0, kind) for rid in ids]
         _synchronize()
         start = time.perf_counter()
         runner.step(batch)
@@ -124,8 +124,8 @@ def _add_requests(
     shapes: list[tuple[int, int]],
     s: ProfileSettings,
     rng: random.Random,
-    tag: str,
-) -> list[str]:
+    tag: int,
+) -> list[int]:
     """Adds requests whose next step is of `kind`; returns their ids.
 
     Prompts are random token ids, which leave a trained model unsure of its answer. For a
@@ -135,7 +135,7 @@ def _add_requests(
     """
     config = runner.model.config
     for attempt in range(FILL_ATTEMPTS):
-        ids = [f"{tag}-{attempt}-{i}" for i in range(len(shapes))]
+        ids = [(tag * FILL_ATTEMPTS + attempt) * len(shapes) + i for i in range(len(shapes))]
         for rid, (p, o) in zip(ids, shapes, strict=True):
             prompt = [_random_token(rng, config) for _ in range(p)]
             runner.add(
@@ -145,8 +145,8 @@ def _add_requests(
             )
         if kind is not StepKind.CACHE:
             return ids
-        runner.step([(rid, 1.0) for rid in ids])
-        if all(runner.state(rid).next_step_kind(runner.cache_mode) is kind for rid in ids):
+        runner.step([StepEntry(rid, 1.0, StepKind.RECOMPUTE) for rid in ids])
+        if all(runner.next_kind(rid) is kind for rid in ids):
             return ids
         for rid in ids:
             runner.release(rid)

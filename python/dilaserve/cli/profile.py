@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 from dilaserve.cli.common import add_model_arguments, load_model_from_args
 from dilaserve.profiling import DEFAULT_TOKEN_GRID, ProfileSettings, measure_profile, write_profile
 
@@ -29,10 +31,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-request-tokens", type=int, default=512)
     p.add_argument("--cache-context", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (as a worker runs)"
+    )
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model = load_model_from_args(args)
     settings = ProfileSettings(
         block_length=args.block_length,

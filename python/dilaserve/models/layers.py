@@ -13,7 +13,7 @@ from torch import nn
 from .config import ModelConfig
 
 if TYPE_CHECKING:
-    from dilaserve.worker.kv_cache import KVCachePool
+    from .kv_cache import KVCache
 
 
 class RMSNorm(nn.Module):
@@ -68,7 +68,7 @@ class CacheAccess:
     the valid fed tokens at `positions` of slots `rows`; with `read_len` set, attention
     then runs over the slots' first `read_len` positions instead of the fed tokens."""
 
-    pool: KVCachePool
+    pool: KVCache
     rows: torch.Tensor
     positions: torch.Tensor
     valid: torch.Tensor

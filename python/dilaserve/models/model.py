@@ -16,9 +16,9 @@ from .config import ModelConfig
 from .layers import CacheAccess, DecoderLayer, RMSNorm, rope_tables
 
 if TYPE_CHECKING:
-    from dilaserve.worker.kv_cache import KVCachePool
+    from .kv_cache import KVCache
 
-# How one forward uses the KV pool (the runner's cache policy is `worker.state.CacheMode`).
+# How one forward uses the KV pool (an instance's cache policy is `protocol.CacheMode`).
 CacheAccessMode = Literal["off", "write", "read"]
 
 
@@ -52,7 +52,7 @@ class DiffusionLM(nn.Module):
         valid: torch.Tensor,
         *,
         logits_index: torch.Tensor | None = None,
-        cache: KVCachePool | None = None,
+        cache: KVCache | None = None,
         cache_rows: torch.Tensor | None = None,
         cache_mode: CacheAccessMode = "off",
         cache_len: torch.Tensor | None = None,
@@ -95,7 +95,7 @@ class DiffusionLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         valid: torch.Tensor,
-        cache: KVCachePool | None,
+        cache: KVCache | None,
         cache_rows: torch.Tensor | None,
         cache_mode: CacheAccessMode,
         cache_len: torch.Tensor | None,

@@ -18,10 +18,10 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from dilaserve.models import encode_prompt
+from dilaserve.protocol import whole_blocks
 from dilaserve.tiny.tasks import Problem, check
 from dilaserve.worker.generate import generate
 from dilaserve.worker.runner import StepRunner
-from dilaserve.worker.state import whole_blocks
 
 THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 CACHE_MODES = ("none", "prefix", "dual")

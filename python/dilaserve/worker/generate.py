@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from dilaserve.protocol import RequestState, StepEntry
 from dilaserve.worker.runner import StepRunner
-from dilaserve.worker.state import RequestState
 
 # A threshold may be fixed or chosen per request and step from its current state.
 Threshold = float | Callable[[RequestState], float]
@@ -32,7 +32,7 @@ def generate(
     config = runner.config
     states = [
         RequestState.new(
-            f"generate-{i}",
+            i,
             list(p),
             gen_length,
             block_length=block_length,
@@ -46,7 +46,10 @@ def generate(
     try:
         active = [s.request_id for s in states]
         while active:
-            batch = [(rid, _threshold(threshold, runner, rid)) for rid in active]
+            batch = [
+                StepEntry(rid, _threshold(threshold, runner, rid), runner.next_kind(rid))
+                for rid in active
+            ]
             result = runner.step(batch)
             active = [o.request_id for o in result.outputs if not o.done]
         finals = [runner.state(s.request_id) for s in states]
@@ -57,5 +60,5 @@ def generate(
     return [Generation(f.generated_ids(), f.steps_done, f) for f in finals]
 
 
-def _threshold(threshold: Threshold, runner: StepRunner, request_id: str) -> float:
+def _threshold(threshold: Threshold, runner: StepRunner, request_id: int) -> float:
     return threshold(runner.state(request_id)) if callable(threshold) else threshold

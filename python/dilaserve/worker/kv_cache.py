@@ -11,14 +11,12 @@ from __future__ import annotations
 import torch
 
 from dilaserve.kernels import gather_kv, scatter_kv
-
-
-class CacheFullError(RuntimeError):
-    """Every KV slot of this worker is in use."""
+from dilaserve.worker.errors import CacheFullError
 
 
 class KVCachePool:
-    """K/V storage of shape `[slots, kv_heads, max_len, head_dim]` per layer."""
+    """K/V storage of shape `[slots, kv_heads, max_len, head_dim]` per layer; implements
+    `models.kv_cache.KVCache`, the interface the model layers use."""
 
     def __init__(
         self,

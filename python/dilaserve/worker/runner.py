@@ -6,52 +6,32 @@ With an approximate KV cache the first step of a block is a *recompute* step ove
 sequence that refreshes K/V, later steps of the block are *cache* steps over the block's
 positions (dual cache) or the block and everything after it (prefix cache).
 
-The runner decides nothing: the engine says which requests step and with which τ; the step
-kind follows from each request's state and the runner's cache mode.
+The runner decides nothing: the engine says which requests step, with which τ and which
+step kind. A recompute step may start mid-block: it rebuilds the request's K/V from its
+current tokens, which is how a request resumes on an instance that never held its cache.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from dilaserve.kernels import confidence_commit
+from dilaserve.protocol import (
+    CacheMode,
+    RequestState,
+    StepEntry,
+    StepKind,
+    StepOutput,
+    StepReport,
+    TokenStateError,
+)
+from dilaserve.worker.errors import MigrationError, RequestNotHeldError, StepRejectedError
 from dilaserve.worker.kv_cache import KVCachePool
-from dilaserve.worker.state import CacheMode, InvalidRequestError, RequestState, StepKind
-
-
-class UnknownRequestError(KeyError):
-    """The runner holds no request with this id."""
-
-
-class MigrationError(RuntimeError):
-    """A request cannot leave its runner now: its next step reads a KV cache held here."""
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    """What one step did to one request."""
-
-    request_id: str
-    kind: StepKind
-    block: int
-    committed_positions: list[int]  # output-relative indices
-    committed_tokens: list[int]
-    # min, q25, median, mean, q75 of the confidences of the block positions that were masked
-    # when the step began: the step predictor's confidence features.
-    confidence_stats: tuple[float, float, float, float, float]
-    num_masked: int
-    done: bool
-
-
-@dataclass(frozen=True)
-class StepResult:
-    outputs: list[StepOutput]
-    forward_tokens: int  # tokens that went through the model in this step
-    seconds: float
 
 
 @dataclass
@@ -61,6 +41,8 @@ class _Held:
     state: RequestState
     tokens: torch.Tensor  # prompt + output ids, 1-D, on the model's device
     slot: int | None
+    # The slot holds K/V of the current block's recompute step: a cache step may read it.
+    cache_valid: bool = False
 
     @property
     def block_start(self) -> int:
@@ -95,87 +77,88 @@ class StepRunner:
                 dtype=next(model.parameters()).dtype,
                 device=self.device,
             )
-        self._held: dict[str, _Held] = {}
+        self._held: dict[int, _Held] = {}
         self.forward_tokens = 0
 
     # -- residency -----------------------------------------------------------------------
 
-    def __contains__(self, request_id: str) -> bool:
+    def __contains__(self, request_id: int) -> bool:
         return request_id in self._held
 
     def __len__(self) -> int:
         return len(self._held)
 
     def add(self, state: RequestState) -> None:
-        """Takes a request in: a new arrival or one migrating from another runner.
-
-        A request arriving with a cache mode on must be at a block boundary, since its K/V
-        are rebuilt by the recompute step that opens the block.
-        """
+        """Takes a request in: a new arrival or one migrating from another runner, at any
+        point of a block. It holds no K/V here yet, so with a cache its next step must be a
+        recompute step."""
         state.validate()
-        if state.request_id in self._held:
-            raise InvalidRequestError(f"request {state.request_id!r} is already on this runner")
+        rid = state.request_id
+        if rid in self._held:
+            raise TokenStateError(f"request {rid} is already on this runner")
         if state.seq_length > self.max_seq_len:
-            raise InvalidRequestError(
-                f"request {state.request_id!r}: {state.seq_length} tokens exceed this "
-                f"runner's limit of {self.max_seq_len}"
+            raise TokenStateError(
+                f"request {rid}: {state.seq_length} tokens exceed this runner's limit of "
+                f"{self.max_seq_len}"
             )
         if state.mask_token_id != self.config.mask_token_id:
-            raise InvalidRequestError(
-                f"request {state.request_id!r}: mask token {state.mask_token_id} is not the "
-                f"model's ({self.config.mask_token_id})"
+            raise TokenStateError(
+                f"request {rid}: mask token {state.mask_token_id} is not the model's "
+                f"({self.config.mask_token_id})"
             )
         vocab = self.config.vocab_size
         if any(not 0 <= t < vocab for t in state.prompt_ids + state.output_ids):
-            raise InvalidRequestError(
-                f"request {state.request_id!r}: token id outside the vocabulary [0, {vocab})"
-            )
-        if self.cache_mode is not CacheMode.NONE and state.block_steps != 0:
-            raise MigrationError(
-                f"request {state.request_id!r} is in the middle of a block; with a KV cache it "
-                "can only join a runner before a recompute step"
-            )
+            raise TokenStateError(f"request {rid}: token id outside the vocabulary [0, {vocab})")
         tokens = torch.tensor(state.prompt_ids + state.output_ids, device=self.device)
         slot = self.pool.allocate() if self.pool is not None else None
-        self._held[state.request_id] = _Held(state=_copy(state), tokens=tokens, slot=slot)
+        self._held[rid] = _Held(state=state.copy(), tokens=tokens, slot=slot)
 
-    def state(self, request_id: str) -> RequestState:
+    def state(self, request_id: int) -> RequestState:
         """A copy of a resident request's current token state."""
-        return _copy(self._get(request_id).state)
+        return self._get(request_id).state.copy()
 
-    def export(self, request_id: str) -> RequestState:
-        """Removes a request for migration; only allowed when its next step needs no cache."""
+    def next_kind(self, request_id: int) -> StepKind:
+        """The step kind that continues a resident request here: a cache step only while
+        this runner holds the K/V of its current block."""
         held = self._get(request_id)
-        if held.state.next_step_kind(self.cache_mode) is StepKind.CACHE:
+        kind = held.state.default_step_kind(self.cache_mode)
+        if kind is StepKind.CACHE and not held.cache_valid:
+            return StepKind.RECOMPUTE
+        return kind
+
+    def export(self, request_id: int) -> RequestState:
+        """Removes a request for migration; refused while its next step would read K/V held
+        here (DESIGN §6: migrate only before a recompute step)."""
+        if self.next_kind(request_id) is StepKind.CACHE:
             raise MigrationError(
-                f"request {request_id!r}: its next step is a cache step; migrate it before a "
+                f"request {request_id}: its next step is a cache step; migrate it before a "
                 "recompute step"
             )
         return self.release(request_id)
 
-    def release(self, request_id: str) -> RequestState:
+    def release(self, request_id: int) -> RequestState:
         """Drops a request (finished, cancelled or migrating) and frees its KV slot."""
         held = self._held.pop(request_id, None)
         if held is None:
-            raise UnknownRequestError(request_id)
+            raise RequestNotHeldError(request_id)
         if held.slot is not None and self.pool is not None:
             self.pool.free(held.slot)
         return held.state
 
-    def _get(self, request_id: str) -> _Held:
+    def _get(self, request_id: int) -> _Held:
         try:
             return self._held[request_id]
         except KeyError:
-            raise UnknownRequestError(request_id) from None
+            raise RequestNotHeldError(request_id) from None
 
     # -- one step ------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def step(self, batch: Sequence[tuple[str, float]]) -> StepResult:
-        """Runs one denoising step for every `(request_id, threshold)` in `batch`."""
+    def step(self, batch: Sequence[StepEntry]) -> StepReport:
+        """Runs one denoising step of the given kind for every entry of `batch`."""
         started = time.perf_counter()
         held = self._check_batch(batch)
-        kinds = [h.state.next_step_kind(self.cache_mode) for h in held]
+        kinds = [e.kind for e in batch]
         full = [i for i, k in enumerate(kinds) if k is not StepKind.CACHE]
         cached = [i for i, k in enumerate(kinds) if k is StepKind.CACHE]
         order = full + cached
@@ -192,32 +175,45 @@ class StepRunner:
             logits.append(group_logits)
             fed += group_fed
         ordered = [held[i] for i in order]
-        tau = torch.tensor([batch[i][1] for i in order], dtype=torch.float32, device=self.device)
-        outputs = self._commit(ordered, [kinds[i] for i in order], torch.cat(logits), tau)
+        tau = torch.tensor([batch[i].tau for i in order], dtype=torch.float32, device=self.device)
+        outputs = self._commit(ordered, [kinds[i] for i in order], _stack_rows(logits), tau)
         self.forward_tokens += fed
         by_id = {o.request_id: o for o in outputs}
-        return StepResult(
-            outputs=[by_id[rid] for rid, _ in batch],
+        return StepReport(
+            step=0,
+            outputs=[by_id[e.request_id] for e in batch],
             forward_tokens=fed,
             seconds=time.perf_counter() - started,
         )
 
-    def _check_batch(self, batch: Sequence[tuple[str, float]]) -> list[_Held]:
+    def check_entry(self, entry: StepEntry) -> None:
+        """Raises `StepRejectedError` (or `RequestNotHeldError`) if `entry` cannot run here."""
+        rid = entry.request_id
+        h = self._get(rid)
+        if not 0.0 <= entry.tau <= 1.0:
+            raise StepRejectedError(f"request {rid}: threshold {entry.tau} is outside [0, 1]")
+        if h.state.done:
+            raise StepRejectedError(f"request {rid} is already finished")
+        if entry.kind not in self.cache_mode.step_kinds():
+            raise StepRejectedError(
+                f"request {rid}: a {entry.kind} step cannot run with cache mode {self.cache_mode}"
+            )
+        if entry.kind is StepKind.CACHE and not h.cache_valid:
+            raise StepRejectedError(
+                f"request {rid}: a cache step needs the K/V of this block's recompute step, "
+                "which this instance does not hold"
+            )
+
+    def _check_batch(self, batch: Sequence[StepEntry]) -> list[_Held]:
         if not batch:
-            raise ValueError("a step needs at least one request")
-        seen: set[str] = set()
-        held = []
-        for request_id, tau in batch:
-            if request_id in seen:
-                raise ValueError(f"request {request_id!r} appears twice in one step")
-            seen.add(request_id)
-            if not 0.0 <= tau <= 1.0:
-                raise ValueError(f"request {request_id!r}: threshold {tau} is outside [0, 1]")
-            h = self._get(request_id)
-            if h.state.done:
-                raise ValueError(f"request {request_id!r} is already finished")
-            held.append(h)
-        return held
+            raise StepRejectedError("a step needs at least one request")
+        seen: set[int] = set()
+        for entry in batch:
+            if entry.request_id in seen:
+                raise StepRejectedError(f"request {entry.request_id} appears twice in one step")
+            seen.add(entry.request_id)
+            self.check_entry(entry)
+        return [self._held[e.request_id] for e in batch]
 
     def _forward_full(self, rows: list[_Held], *, write_cache: bool) -> tuple[torch.Tensor, int]:
         """No-cache or recompute step: every position of each row goes through the model."""
@@ -325,6 +321,13 @@ class StepRunner:
             state.steps_done += 1
             block_open = mask_id in state.output_ids[out_start : out_start + size]
             state.block_steps = state.block_steps + 1 if block_open else 0
+            # Every step writes the fed tokens' K/V; only a recompute step refreshes the rest
+            # of the sequence, which a cache step of the same block reads.
+            h.cache_valid = (
+                block_open
+                and kinds[i] is not StepKind.NO_CACHE
+                and (h.cache_valid or kinds[i] is StepKind.RECOMPUTE)
+            )
             done = state.done
             if done and h.slot is not None and self.pool is not None:
                 self.pool.free(h.slot)
@@ -344,10 +347,8 @@ class StepRunner:
         return outputs
 
 
-def _copy(state: RequestState) -> RequestState:
-    return replace(
-        state,
-        prompt_ids=list(state.prompt_ids),
-        output_ids=list(state.output_ids),
-        metadata=dict(state.metadata),
-    )
+def _stack_rows(groups: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenates `[b, width, vocab]` logits of step groups whose widest block differs;
+    the padding columns lie outside every row's block, so they are never candidates."""
+    width = max(g.shape[1] for g in groups)
+    return torch.cat([F.pad(g, (0, 0, 0, width - g.shape[1])) for g in groups])

@@ -10,6 +10,7 @@ use super::args::Unsigned;
 use super::profile::PyLatencyProfile;
 use crate::planner::{
     self, Arrival, BinSpec, PlannerError, PlannerInputs, SolverKind, ThresholdOption,
+    TransitionInputs,
 };
 
 create_exception!(
@@ -88,6 +89,17 @@ fn plan_capacity_json(
     to_json(&plan)
 }
 
+/// Stage 2 alone, to caller-chosen instance counts; JSON in, JSON out.
+#[pyfunction]
+fn plan_transition_json(py: Python<'_>, inputs_json: &str) -> PyResult<String> {
+    let inputs: TransitionInputs = serde_json::from_str(inputs_json)
+        .map_err(|e| PlannerInputError::new_err(format!("transition inputs are malformed: {e}")))?;
+    let plan = py
+        .detach(|| planner::plan_transition_to(&inputs))
+        .map_err(to_py)?;
+    to_json(&plan)
+}
+
 /// Bins `(time, prompt tokens, output tokens)` arrivals of `[start, end)` into
 /// `(prompt tokens, output tokens, rate)` classes.
 #[pyfunction]
@@ -148,6 +160,7 @@ fn planner_solvers() -> Vec<&'static str> {
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plan_json, m)?)?;
     m.add_function(wrap_pyfunction!(plan_capacity_json, m)?)?;
+    m.add_function(wrap_pyfunction!(plan_transition_json, m)?)?;
     m.add_function(wrap_pyfunction!(classes_from_arrivals, m)?)?;
     m.add_function(wrap_pyfunction!(mean_isolated_latency, m)?)?;
     m.add_function(wrap_pyfunction!(planner_solvers, m)?)?;

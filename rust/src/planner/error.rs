@@ -35,6 +35,11 @@ pub enum PlannerError {
     Profile(#[from] ProfileError),
     #[error("current deployment: {0}")]
     BadDeployment(String),
+    #[error("target instance counts {targets:?} do not fit on nodes of {node_gpus:?} GPUs")]
+    TargetsDoNotFit {
+        targets: Vec<(u32, u32)>,
+        node_gpus: Vec<u32>,
+    },
     #[error("arrival {index}: {reason}")]
     BadArrival { index: usize, reason: &'static str },
     #[error("no arrivals in the window [{start}, {end}) s")]

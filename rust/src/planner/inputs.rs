@@ -293,7 +293,7 @@ fn validate_thresholds(
     Ok(sorted)
 }
 
-fn validate_degrees(degrees: &[u32], node_gpus: &[u32]) -> Result<Vec<u32>, PlannerError> {
+pub(crate) fn validate_degrees(degrees: &[u32], node_gpus: &[u32]) -> Result<Vec<u32>, PlannerError> {
     if degrees.is_empty() {
         return Err(PlannerError::NoDegrees);
     }
@@ -322,7 +322,7 @@ fn validate_degrees(degrees: &[u32], node_gpus: &[u32]) -> Result<Vec<u32>, Plan
     Ok(seen.into_iter().collect())
 }
 
-fn validate_nodes(node_gpus: &[u32]) -> Result<(), PlannerError> {
+pub(crate) fn validate_nodes(node_gpus: &[u32]) -> Result<(), PlannerError> {
     if node_gpus.is_empty() {
         return Err(PlannerError::NoGpus);
     }
@@ -418,6 +418,32 @@ fn validate_deployment(
     degrees: &[u32],
     batches: &[u64],
 ) -> Result<(), PlannerError> {
+    validate_placement(current, node_gpus)?;
+    for inst in current.instances.iter().filter(|i| degrees.contains(&i.degree)) {
+        match current.batch_tokens.get(&inst.degree) {
+            None => {
+                return Err(PlannerError::BadDeployment(format!(
+                    "no batch size given for TP degree {}",
+                    inst.degree
+                )))
+            }
+            Some(b) if !batches.contains(b) => {
+                return Err(PlannerError::BadDeployment(format!(
+                    "batch size {b} of TP degree {} is not a candidate batch size",
+                    inst.degree
+                )))
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
+}
+
+/// Every instance on an existing node, with as many GPUs as its degree, none used twice.
+pub(crate) fn validate_placement(
+    current: &Deployment,
+    node_gpus: &[u32],
+) -> Result<(), PlannerError> {
     let bad = |m: String| Err(PlannerError::BadDeployment(m));
     let mut used = BTreeSet::new();
     for (i, inst) in current.instances.iter().enumerate() {
@@ -444,18 +470,6 @@ fn validate_deployment(
             }
             if !used.insert((inst.node, g)) {
                 return bad(format!("GPU {g} of node {} is used twice", inst.node));
-            }
-        }
-        if degrees.contains(&inst.degree) {
-            match current.batch_tokens.get(&inst.degree) {
-                None => return bad(format!("no batch size given for TP degree {}", inst.degree)),
-                Some(b) if !batches.contains(b) => {
-                    return bad(format!(
-                        "batch size {b} of TP degree {} is not a candidate batch size",
-                        inst.degree
-                    ))
-                }
-                Some(_) => {}
             }
         }
     }

@@ -12,6 +12,7 @@ pub mod slo;
 pub mod solver;
 mod stage1;
 mod stage2;
+mod transition;
 
 use std::time::Instant;
 
@@ -27,6 +28,7 @@ pub use self::slo::mean_isolated_latency;
 pub use self::solver::{solver_available, SolveStatus};
 pub use self::stage1::{CapacityPlan, ClassPlan, DegreePlan, PlanValue};
 pub use self::stage2::TransitionPlan;
+pub use self::transition::{plan_transition_to, TransitionInputs};
 
 use self::capacity::node_types;
 use self::solver::SolveSettings;
@@ -59,7 +61,7 @@ pub struct Plan {
     pub stage2_seconds: f64,
 }
 
-fn settings(config: &PlannerConfig) -> Result<SolveSettings, PlannerError> {
+pub(crate) fn settings(config: &PlannerConfig) -> Result<SolveSettings, PlannerError> {
     if !solver_available(config.solver) {
         return Err(PlannerError::SolverUnavailable(config.solver.as_str()));
     }

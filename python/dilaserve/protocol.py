@@ -1,0 +1,316 @@
+"""The contract between the engine and its workers: one definition of each message.
+
+The engine decides, workers execute (DESIGN §10). A `StepCommand` tells an instance which
+requests join it (with their full token state), which leave it, and which run one denoising
+step with which threshold and *which step kind*: the worker never derives the kind itself,
+so a recompute step may start mid-block (it rebuilds the cache from the current tokens) and
+is how a request resumes after a migration or a lost worker. A `StepReport` says what the
+step did to each request. Request ids are integers everywhere.
+
+Messages are plain dataclasses encoded as msgpack by `msgspec` (`encode` / `decode_*`), so a
+malformed frame fails to decode with a typed error instead of reaching the runner.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, replace
+
+import msgspec
+
+
+class StepKind(enum.StrEnum):
+    """What one denoising step computes; matches `StepKind` of the Rust core."""
+
+    RECOMPUTE = "recompute"
+    CACHE = "cache"
+    NO_CACHE = "no_cache"
+
+
+class CacheMode(enum.StrEnum):
+    """Approximate KV-cache policy of an instance (Fast-dLLM)."""
+
+    NONE = "none"
+    PREFIX = "prefix"
+    DUAL = "dual"
+
+    def step_kinds(self) -> tuple[StepKind, ...]:
+        """Step kinds an instance in this mode executes."""
+        if self is CacheMode.NONE:
+            return (StepKind.NO_CACHE,)
+        return (StepKind.RECOMPUTE, StepKind.CACHE)
+
+
+class TokenStateError(ValueError):
+    """A request's token state is malformed or does not fit the instance it is sent to."""
+
+
+def whole_blocks(tokens: int, block_length: int) -> int:
+    """Output positions for `tokens` tokens: rounded up to whole blocks, as decoding goes
+    block by block."""
+    return -(-tokens // block_length) * block_length
+
+
+@dataclass
+class RequestState:
+    """Token state of a request between steps: what the engine keeps authoritatively and
+    what a step command carries to an instance that does not hold the request yet."""
+
+    request_id: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    block_length: int
+    mask_token_id: int
+    eos_token_id: int | None = None
+    steps_done: int = 0
+    # Steps already run in the current block; 0 means the next step opens a block.
+    block_steps: int = 0
+
+    @classmethod
+    def new(
+        cls,
+        request_id: int,
+        prompt_ids: list[int],
+        gen_length: int,
+        *,
+        block_length: int,
+        mask_token_id: int,
+        eos_token_id: int | None = None,
+    ) -> RequestState:
+        """A fresh request: `gen_length` output positions rounded up to whole blocks."""
+        if block_length <= 0:
+            raise TokenStateError(f"block_length must be positive, got {block_length}")
+        if gen_length <= 0:
+            raise TokenStateError(f"gen_length must be positive, got {gen_length}")
+        state = cls(
+            request_id=request_id,
+            prompt_ids=list(prompt_ids),
+            output_ids=[mask_token_id] * whole_blocks(gen_length, block_length),
+            block_length=block_length,
+            mask_token_id=mask_token_id,
+            eos_token_id=eos_token_id,
+        )
+        state.validate()
+        return state
+
+    def validate(self) -> None:
+        rid = self.request_id
+        if not self.prompt_ids:
+            raise TokenStateError(f"request {rid}: prompt is empty")
+        if self.mask_token_id in self.prompt_ids:
+            raise TokenStateError(
+                f"request {rid}: prompt contains the mask token {self.mask_token_id}"
+            )
+        if self.block_length <= 0 or len(self.output_ids) % self.block_length:
+            raise TokenStateError(
+                f"request {rid}: output length {len(self.output_ids)} is not a positive "
+                f"multiple of block length {self.block_length}"
+            )
+        if not self.output_ids:
+            raise TokenStateError(f"request {rid}: no output positions")
+
+    def copy(self) -> RequestState:
+        return replace(self, prompt_ids=list(self.prompt_ids), output_ids=list(self.output_ids))
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_length(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def seq_length(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_masked(self) -> int:
+        return sum(1 for t in self.output_ids if t == self.mask_token_id)
+
+    @property
+    def num_committed(self) -> int:
+        """Output positions unmasked so far (EOS padding included)."""
+        return self.output_length - self.num_masked
+
+    def first_masked(self) -> int | None:
+        """Output index of the first masked position, None when all are unmasked."""
+        try:
+            return self.output_ids.index(self.mask_token_id)
+        except ValueError:
+            return None
+
+    @property
+    def current_block(self) -> int:
+        """Index of the first output block that still has a masked position."""
+        first = self.first_masked()
+        return (self.output_length if first is None else first) // self.block_length
+
+    @property
+    def complete_blocks(self) -> int:
+        """Leading output blocks with every position unmasked: text that never changes."""
+        return self.current_block
+
+    @property
+    def eos_position(self) -> int | None:
+        """Output index of the first committed EOS, if stopping at EOS is enabled."""
+        if self.eos_token_id is None:
+            return None
+        try:
+            return self.output_ids.index(self.eos_token_id)
+        except ValueError:
+            return None
+
+    @property
+    def done(self) -> bool:
+        """Every position unmasked, or an EOS committed with everything before it unmasked."""
+        first_mask = self.first_masked()
+        if first_mask is None:
+            return True
+        eos = self.eos_position
+        return eos is not None and eos < first_mask
+
+    def default_step_kind(self, cache: CacheMode) -> StepKind:
+        """The kind of the next step when the request stays where its cache is: the first
+        step of a block recomputes, later ones read the cache."""
+        if cache is CacheMode.NONE:
+            return StepKind.NO_CACHE
+        return StepKind.RECOMPUTE if self.block_steps == 0 else StepKind.CACHE
+
+    def generated_ids(self) -> list[int]:
+        """Output tokens, cut before the first EOS when stopping at EOS."""
+        eos = self.eos_position
+        return self.output_ids[:eos] if eos is not None else list(self.output_ids)
+
+    def apply(self, output: StepOutput) -> None:
+        """Advances this copy of the state by a step's report (the engine's bookkeeping)."""
+        for position, token in zip(
+            output.committed_positions, output.committed_tokens, strict=True
+        ):
+            self.output_ids[position] = token
+        self.steps_done += 1
+        start = output.block * self.block_length
+        block_open = self.mask_token_id in self.output_ids[start : start + self.block_length]
+        self.block_steps = self.block_steps + 1 if block_open else 0
+
+
+@dataclass(frozen=True)
+class StepEntry:
+    """One request's step in a command: its threshold for this step and the step kind."""
+
+    request_id: int
+    tau: float
+    kind: StepKind
+
+
+@dataclass
+class StepCommand:
+    """What an instance does next. Residency changes apply before the step: `release`
+    drops requests that left (finished elsewhere, migrated, cancelled), `admit` takes in
+    requests new to this instance with their token state. An empty `entries` runs no step
+    (the worker only applies residency changes and answers)."""
+
+    step: int
+    entries: list[StepEntry] = field(default_factory=list)
+    admit: list[RequestState] = field(default_factory=list)
+    release: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one step did to one request."""
+
+    request_id: int
+    kind: StepKind
+    block: int
+    committed_positions: list[int]  # output-relative indices
+    committed_tokens: list[int]
+    # min, q25, median, mean, q75 of the confidences of the current block's positions that
+    # were masked when the step began (the step predictor's confidence features). A step
+    # that completes its block reports them too; they describe a finished block.
+    confidence_stats: tuple[float, float, float, float, float]
+    num_masked: int
+    done: bool
+
+
+@dataclass(frozen=True)
+class RequestError:
+    """A request the worker refused (bad token state, unknown id, wrong step kind); the
+    rest of the command ran."""
+
+    request_id: int
+    message: str
+
+
+@dataclass
+class StepReport:
+    """An instance's answer to one `StepCommand`."""
+
+    step: int
+    outputs: list[StepOutput] = field(default_factory=list)
+    errors: list[RequestError] = field(default_factory=list)
+    forward_tokens: int = 0  # tokens that went through the model
+    seconds: float = 0.0  # the step's compute time on the worker
+    # Set when the whole step failed (e.g. out of memory): nothing of it was applied.
+    failure: str | None = None
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    """First message of a worker once its model is loaded: what the instance can hold."""
+
+    instance: int
+    rank: int
+    pid: int
+    cache: CacheMode
+    max_requests: int
+    kv_tokens: int | None
+    max_seq_len: int
+    vocab_size: int
+    device: str
+
+
+@dataclass(frozen=True)
+class WorkerLeaving:
+    """The worker was asked to stop (SIGTERM): the engine drains it, then says `Shutdown`."""
+
+    instance: int
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Engine to worker: release everything and exit."""
+
+
+# Every frame is one of these, tagged by class name.
+EngineMessage = StepCommand | Shutdown
+WorkerMessage = WorkerReady | StepReport | WorkerLeaving
+
+_ENGINE_TYPES = {cls.__name__: cls for cls in (StepCommand, Shutdown)}
+_WORKER_TYPES = {cls.__name__: cls for cls in (WorkerReady, StepReport, WorkerLeaving)}
+_encoder = msgspec.msgpack.Encoder()
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a message of this protocol."""
+
+
+def encode(message: EngineMessage | WorkerMessage) -> bytes:
+    return _encoder.encode((type(message).__name__, message))
+
+
+def _decode(frame: bytes, types: dict[str, type]) -> object:
+    try:
+        tag, body = msgspec.msgpack.decode(frame, type=tuple[str, msgspec.Raw])
+        cls = types[tag]
+        return msgspec.msgpack.decode(body, type=cls)
+    except (msgspec.DecodeError, KeyError, ValueError, TypeError) as exc:
+        raise ProtocolError(f"undecodable frame: {exc}") from exc
+
+
+def decode_engine_message(frame: bytes) -> EngineMessage:
+    return _decode(frame, _ENGINE_TYPES)  # type: ignore[return-value]
+
+
+def decode_worker_message(frame: bytes) -> WorkerMessage:
+    return _decode(frame, _WORKER_TYPES)  # type: ignore[return-value]

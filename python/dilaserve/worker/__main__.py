@@ -1,0 +1,45 @@
+"""`python -m dilaserve.worker`: one instance's worker process, started by a launcher."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from dilaserve.protocol import CacheMode
+from dilaserve.worker.process import WorkerSettings, serve
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dilaserve.worker", description=__doc__)
+    p.add_argument("--endpoint", required=True, help="the engine's ZeroMQ endpoint")
+    p.add_argument("--instance", type=int, required=True)
+    p.add_argument("--worker-id", type=int, required=True, help="unique per process start")
+    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--cache", choices=[m.value for m in CacheMode], default="dual")
+    p.add_argument("--max-requests", type=int, default=64, help="KV-cache slots")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    args = p.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s worker {args.instance}/{args.worker_id} %(levelname)s %(message)s",
+    )
+    return serve(
+        WorkerSettings(
+            endpoint=args.endpoint,
+            instance=args.instance,
+            worker_id=args.worker_id,
+            model=args.model,
+            cache=CacheMode(args.cache),
+            max_requests=args.max_requests,
+            dtype=args.dtype,
+            device=args.device,
+            threads=args.threads,
+        )
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""The worker's one exception hierarchy; the worker process turns each into a per-request
+`RequestError` or a failed `StepReport`, never into a lost process."""
+
+from __future__ import annotations
+
+
+class WorkerError(RuntimeError):
+    """Base of every error the worker raises on purpose."""
+
+
+class RequestNotHeldError(WorkerError, KeyError):
+    """The runner holds no request with this id."""
+
+
+class StepRejectedError(WorkerError, ValueError):
+    """A step entry cannot run here (threshold, finished request, wrong step kind)."""
+
+
+class MigrationError(WorkerError):
+    """A request cannot leave its runner now: its next step reads a KV cache held here."""
+
+
+class CacheFullError(WorkerError):
+    """Every KV slot of this worker is in use."""

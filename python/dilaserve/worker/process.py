@@ -1,0 +1,151 @@
+"""One worker process: loads the model, then executes the engine's step commands over
+ZeroMQ until told to stop (DESIGN §10).
+
+The process holds a `StepRunner` and nothing else of its own: every decision arrives in a
+`StepCommand`. Per command it releases the requests that left, admits the new ones, and
+runs the step for every entry it can; a request it must refuse (bad token state, a cache
+step without this instance's K/V) is reported in `StepReport.errors` while the others
+run. A failure of the step itself (out of memory) is reported as `failure` with nothing
+applied, and the process keeps serving. SIGTERM asks the engine to drain this instance;
+the process exits once the engine says `Shutdown`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from dilaserve.protocol import (
+    CacheMode,
+    RequestError,
+    Shutdown,
+    StepCommand,
+    StepReport,
+    TokenStateError,
+    WorkerLeaving,
+    WorkerReady,
+    decode_engine_message,
+    encode,
+)
+from dilaserve.worker.errors import WorkerError
+from dilaserve.worker.runner import StepRunner
+
+log = logging.getLogger(__name__)
+
+# How often the idle loop checks that the engine process is still there.
+PARENT_CHECK_S = 1.0
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    endpoint: str
+    instance: int
+    worker_id: int
+    model: str
+    cache: CacheMode
+    max_requests: int
+    dtype: str = "float32"
+    device: str = "cpu"
+    threads: int | None = None
+
+
+def execute(runner: StepRunner, command: StepCommand) -> StepReport:
+    """Applies one command to `runner`; never raises for a bad request or a failed step."""
+    errors: list[RequestError] = []
+    for rid in command.release:
+        if rid in runner:
+            runner.release(rid)
+    refused: set[int] = set()
+    for state in command.admit:
+        try:
+            runner.add(state)
+        except (TokenStateError, WorkerError) as exc:
+            errors.append(RequestError(state.request_id, str(exc)))
+            refused.add(state.request_id)
+    entries = []
+    for entry in command.entries:
+        if entry.request_id in refused:
+            continue
+        try:
+            runner.check_entry(entry)
+        except (WorkerError, KeyError) as exc:
+            errors.append(RequestError(entry.request_id, str(exc)))
+            continue
+        entries.append(entry)
+    if not entries:
+        return StepReport(step=command.step, errors=errors)
+    try:
+        report = runner.step(entries)
+    except (RuntimeError, WorkerError) as exc:  # torch's out-of-memory is a RuntimeError
+        log.exception("step %d failed", command.step)
+        return StepReport(step=command.step, errors=errors, failure=f"{type(exc).__name__}: {exc}")
+    report.step = command.step
+    report.errors = errors
+    return report
+
+
+def serve(settings: WorkerSettings) -> int:
+    """Runs the worker until `Shutdown`, or until the engine process is gone."""
+    from dilaserve.models import load_model
+
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    model = load_model(settings.model, dtype=settings.dtype, device=settings.device)
+    runner = StepRunner(model, cache=settings.cache, max_requests=settings.max_requests)
+    leaving = False
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        nonlocal leaving
+        leaving = True
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    parent = os.getppid()
+    context = zmq.Context()
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.IDENTITY, str(settings.worker_id).encode())
+    socket.setsockopt(zmq.LINGER, 1000)
+    socket.connect(settings.endpoint)
+    kv = None if runner.pool is None else settings.max_requests * runner.max_seq_len
+    socket.send(
+        encode(
+            WorkerReady(
+                instance=settings.instance,
+                rank=0,
+                pid=os.getpid(),
+                cache=runner.cache_mode,
+                max_requests=settings.max_requests,
+                kv_tokens=kv,
+                max_seq_len=runner.max_seq_len,
+                vocab_size=model.config.vocab_size,
+                device=str(runner.device),
+            )
+        )
+    )
+    announced = False
+    try:
+        while True:
+            if leaving and not announced:
+                socket.send(encode(WorkerLeaving(settings.instance)))
+                announced = True
+            if not socket.poll(int(PARENT_CHECK_S * 1000)):
+                if os.getppid() != parent:
+                    log.warning("engine process is gone; worker %d exits", settings.worker_id)
+                    return 1
+                continue
+            message = decode_engine_message(socket.recv())
+            if isinstance(message, Shutdown):
+                return 0
+            started = time.perf_counter()
+            report = execute(runner, message)
+            if not message.entries:
+                report.seconds = time.perf_counter() - started
+            socket.send(encode(report))
+    finally:
+        socket.close()
+        context.term()
