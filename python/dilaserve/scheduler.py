@@ -5,6 +5,12 @@ instance changes) and call `Scheduler.schedule(now)` to get, per idle instance, 
 batch of (request, threshold, step kind), every migration with its reason, and why each
 ready request that was not dispatched is waiting. The round runs in Rust with the GIL
 released; its decisions come back as numpy columns, with lists of records built on demand.
+
+Instances may bound their resident requests (`kv_tokens`, `max_requests`) and their step
+size (`max_batch_tokens`); placement never exceeds them. A request no instance has room for
+reserves the instance that will fit it soonest, which then takes no other new request, so
+a stream of small requests cannot starve a large one. If the instance that would complete a
+request's step first is busy, the request waits for it (`queued_busy`).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import numpy as np
 
 from dilaserve import _core
 from dilaserve._core import (
+    AdmissionError,
     InvalidInstanceError,
     InvalidRequestError,
     LatencyProfile,
@@ -31,9 +38,11 @@ from dilaserve._core import (
 )
 
 __all__ = [
+    "AdmissionError",
     "Batch",
     "BatchEntry",
     "Decisions",
+    "FinishedRequest",
     "InstanceInfo",
     "InvalidInstanceError",
     "InvalidRequestError",
@@ -63,7 +72,17 @@ MIGRATION_REASONS: tuple[str, ...] = _core.MIGRATION_REASONS
 _BATCH = np.dtype(
     [("instance", "<u8"), ("start", "<u8"), ("len", "<u8"), ("tokens", "<u8"), ("finish", "<f8")]
 )
-_ENTRY = np.dtype([("request", "<u8"), ("tau", "<f8"), ("kind", "u1"), ("new_here", "?")])
+_ENTRY = np.dtype(
+    [
+        ("request", "<u8"),
+        ("tau", "<f8"),
+        ("kind", "u1"),
+        ("new_here", "?"),
+        ("tokens", "<u8"),
+        ("block", "<u4"),
+        ("unmasked_in_block", "<u4"),
+    ]
+)
 _WAITING = np.dtype([("request", "<u8"), ("reason", "u1")])
 
 
@@ -126,6 +145,9 @@ class SchedulerConfig:
     max_batch_tokens: int = 8192
     #: SLO window load control plans for; None uses the mean SLO of active requests.
     slo_window_s: float | None = None
+    #: While load control finds the cluster overloaded, reject an arrival (`AdmissionError`)
+    #: once this many requests wait for their first step. None admits everything.
+    max_queued: int | None = None
     policy: Policy = field(default_factory=Policy)
     #: `(threshold, mean tokens per step)` points of the default predictor; None uses
     #: Fast-dLLM's GSM8K figures.
@@ -133,12 +155,20 @@ class SchedulerConfig:
 
 
 class StepResult(NamedTuple):
-    """A worker's report on one request of a finished step."""
+    """A worker's report on one request of a finished step.
+
+    `confidence` holds the min, q25, median, mean and q75 of the confidences of the current
+    block's positions that were still masked when the step began. A step that completes its
+    block reports them too, but they describe a finished block: the scheduler drops them,
+    and the request has no confidence features until its next report (the next block's
+    confidences are unknown before its first step). Statistics that are not all finite are
+    dropped the same way, for that request only.
+    """
 
     request: int
     #: Tokens the step unmasked (at least one).
     committed: int
-    #: Confidence of still-masked output tokens: min, q25, median, mean, q75.
+    #: min, q25, median, mean, q75 of the block's still-masked positions (see above).
     confidence: Confidence | None = None
     #: The request ended early (EOS with everything before it unmasked).
     finished: bool = False
@@ -150,6 +180,13 @@ class BatchEntry(NamedTuple):
     kind: StepKindName
     #: The instance does not hold the request's token state yet; the step command carries it.
     new_here: bool
+    #: Tokens this step feeds the model: the whole sequence for a recompute or no-cache
+    #: step, the block for a cache step.
+    tokens: int
+    #: Index of the output block this step works on.
+    block: int
+    #: Positions of that block already unmasked before this step.
+    unmasked_in_block: int
 
 
 class Batch(NamedTuple):
@@ -168,7 +205,30 @@ class Migration(NamedTuple):
 
 class Waiting(NamedTuple):
     request: int
+    #: One of `WAIT_REASONS`: no_instance, all_busy, no_room, home_busy, home_full,
+    #: no_kv_room, queued_busy.
     reason: str
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    """A request that finished, with what happened to it (returned by `step_done`)."""
+
+    id: int
+    #: Steps it ran (aborted steps excluded).
+    steps: int
+    #: Of those, steps of kind recompute (0 without caching).
+    recompute_steps: int
+    #: Threshold of every step, in order.
+    taus: list[float]
+    #: Instances it was dispatched to, in order, consecutive repeats collapsed.
+    instances: list[int]
+    #: Times it moved to another instance between steps.
+    migrations: int
+    #: `now` of the round that first dispatched it.
+    first_dispatch: float | None
+    deadline: float
+    arrival: float
 
 
 @dataclass(frozen=True)
@@ -194,6 +254,8 @@ class RequestInfo:
     last_tau: float | None
     #: `(cache steps, recompute steps)` left, per candidate threshold.
     predictions: list[tuple[float, float]]
+    #: Confidence features of the current block from the last report (see `StepResult`).
+    confidence: Confidence | None
 
 
 @dataclass(frozen=True)
@@ -212,6 +274,14 @@ class InstanceInfo:
     #: Measured / predicted step-time correction.
     factor: float
     steps_run: int
+    #: Most sequence tokens resident at once; None: unbounded.
+    kv_tokens: int | None
+    #: Most requests resident at once; None: unbounded.
+    max_requests: int | None
+    #: Batch-token budget of one step (its own, or the scheduler's).
+    max_batch_tokens: int
+    #: Request the instance is reserved for: it takes no other new request meanwhile.
+    reserved_for: int | None
 
 
 class Decisions:
@@ -237,6 +307,12 @@ class Decisions:
         #: Step kind codes; `STEP_KINDS[code]` names them.
         self.entry_kinds: np.ndarray = entries["kind"]
         self.entry_new_here: np.ndarray = entries["new_here"]
+        #: Tokens each step feeds the model.
+        self.entry_tokens: np.ndarray = entries["tokens"]
+        #: Output block index of each step.
+        self.entry_blocks: np.ndarray = entries["block"]
+        #: Positions of that block already unmasked.
+        self.entry_unmasked_in_block: np.ndarray = entries["unmasked_in_block"]
         self.waiting_requests: np.ndarray = waiting["request"]
         #: Wait reason codes; `WAIT_REASONS[code]` names them.
         self.waiting_reasons: np.ndarray = waiting["reason"]
@@ -250,12 +326,20 @@ class Decisions:
         """Seconds the round took inside the Rust core."""
         return self._core.elapsed_s
 
+    @property
+    def overloaded(self) -> bool:
+        """Load control found the cluster overloaded in this round."""
+        return self._core.overloaded
+
     @cached_property
     def batches(self) -> list[Batch]:
         requests = self.entry_requests.tolist()
         taus = self.entry_taus.tolist()
         kinds = [STEP_KINDS[k] for k in self.entry_kinds.tolist()]
         new = self.entry_new_here.tolist()
+        tokens_ = self.entry_tokens.tolist()
+        blocks = self.entry_blocks.tolist()
+        unmasked = self.entry_unmasked_in_block.tolist()
         out = []
         for instance, start, length, tokens, finish in zip(
             self.batch_instances.tolist(),
@@ -266,7 +350,15 @@ class Decisions:
             strict=True,
         ):
             entries = [
-                BatchEntry(requests[i], taus[i], kinds[i], new[i])  # type: ignore[arg-type]
+                BatchEntry(
+                    requests[i],
+                    taus[i],
+                    kinds[i],  # type: ignore[arg-type]
+                    new[i],
+                    tokens_[i],
+                    blocks[i],
+                    unmasked[i],
+                )
                 for i in range(start, start + length)
             ]
             out.append(Batch(instance, entries, tokens, finish))
@@ -319,6 +411,7 @@ class Scheduler:
             prediction=p.prediction,
             predict_every=p.predict_every,
             predictor_rates=rates,
+            max_queued=c.max_queued,
         )
 
     @property
@@ -329,6 +422,18 @@ class Scheduler:
     @property
     def active_requests(self) -> int:
         return self._core.active_requests
+
+    @property
+    def queued_requests(self) -> int:
+        """Requests that arrived and were never dispatched."""
+        return self._core.queued_requests
+
+    @property
+    def overloaded(self) -> bool:
+        """Whether the last round's load control found that even every request at its
+        lowest allowed threshold exceeds the cluster's capacity (False without load
+        control)."""
+        return self._core.overloaded
 
     def arrive(
         self,
@@ -342,7 +447,12 @@ class Scheduler:
         block_size: int | None = None,
         thresholds: Sequence[float] | None = None,
     ) -> None:
-        """Admits a request; `deadline` is absolute, on the clock of `schedule(now)`."""
+        """Admits a request; `deadline` is absolute, on the clock of `schedule(now)`.
+
+        While the cluster is overloaded (`overloaded`) and `SchedulerConfig.max_queued`
+        requests already wait for their first step, raises `AdmissionError`. A request past
+        its deadline still runs to completion unless cancelled.
+        """
         self._core.arrive(
             request_id,
             arrival=arrival,
@@ -356,24 +466,62 @@ class Scheduler:
 
     def step_done(
         self, instance: int, measured_s: float, results: Iterable[StepResult]
-    ) -> list[int]:
-        """Applies the report of an instance's finished step; returns finished request ids.
+    ) -> list[FinishedRequest]:
+        """Applies the report of an instance's finished step; returns the requests that
+        finished, with their statistics.
 
-        Every request of the batch needs a result, except ones cancelled meanwhile.
+        Every request of the batch needs a result, except ones cancelled meanwhile (results
+        naming those are ignored, even if a new request reuses the id).
         """
-        return self._core.step_done(instance, measured_s, list(results))
+        return [
+            FinishedRequest(*f) for f in self._core.step_done(instance, measured_s, list(results))
+        ]
+
+    def abort_step(self, instance_id: int) -> list[int]:
+        """The step in flight on an instance failed (send failed, worker died, out of
+        memory). The instance becomes idle; the step's requests are ready again with no
+        progress counted and hold no state there (with caching their next step recomputes;
+        a move elsewhere is reported as a `step_aborted` migration). Returns their ids."""
+        return self._core.abort_step(instance_id)
 
     def cancel(self, request_id: int) -> None:
         self._core.cancel(request_id)
 
     def add_instance(
-        self, instance_id: int, *, tp: int, gpus: Sequence[int], node: int = 0
+        self,
+        instance_id: int,
+        *,
+        tp: int,
+        gpus: Sequence[int],
+        node: int = 0,
+        kv_tokens: int | None = None,
+        max_requests: int | None = None,
+        max_batch_tokens: int | None = None,
     ) -> None:
-        self._core.add_instance(instance_id, tp=tp, gpus=list(gpus), node=node)
+        """Announces an instance. `kv_tokens` bounds the sequence tokens (prompt + padded
+        output) of its resident requests, `max_requests` their number, `max_batch_tokens`
+        the tokens of one step (None: the config's). None leaves a bound off."""
+        self._core.add_instance(
+            instance_id,
+            tp=tp,
+            gpus=list(gpus),
+            node=node,
+            kv_tokens=kv_tokens,
+            max_requests=max_requests,
+            max_batch_tokens=max_batch_tokens,
+        )
 
     def drain_instance(self, instance_id: int) -> None:
         """Sends no new requests there; held requests leave at their next recompute step."""
         self._core.drain_instance(instance_id)
+
+    def undrain_instance(self, instance_id: int) -> None:
+        """Lets a draining instance take requests again."""
+        self._core.undrain_instance(instance_id)
+
+    def drained_instances(self) -> list[int]:
+        """Draining instances that are idle and hold no request: safe to stop."""
+        return self._core.drained_instances()
 
     def remove_instance(self, instance_id: int) -> None:
         """Forgets an instance; its requests lose their cache and are placed again."""

@@ -40,8 +40,9 @@ fn records<'py, T>(
 
 /// Batch record: instance u64, start u64, len u64, tokens u64, predicted_finish f64.
 const BATCH_WIDTH: usize = 40;
-/// Entry record: request u64, tau f64, kind u8, new_here u8.
-const ENTRY_WIDTH: usize = 18;
+/// Entry record: request u64, tau f64, kind u8, new_here u8, tokens u64, block u32,
+/// unmasked_in_block u32.
+const ENTRY_WIDTH: usize = 34;
 /// Waiting record: request u64, reason u8.
 const WAITING_WIDTH: usize = 9;
 
@@ -53,6 +54,9 @@ pub struct PyDecisions {
     /// Seconds the round took inside the Rust core.
     #[pyo3(get)]
     elapsed_s: f64,
+    /// Load control found the cluster overloaded in this round.
+    #[pyo3(get)]
+    overloaded: bool,
     #[pyo3(get)]
     batches: Py<PyBytes>,
     #[pyo3(get)]
@@ -67,6 +71,7 @@ impl PyDecisions {
         Ok(Self {
             now: d.now,
             elapsed_s: d.elapsed_s,
+            overloaded: d.overloaded,
             batches: records(py, &d.batches, BATCH_WIDTH, |b, out| {
                 out[0..8].copy_from_slice(&b.instance.to_le_bytes());
                 out[8..16].copy_from_slice(&(b.start as u64).to_le_bytes());
@@ -79,6 +84,9 @@ impl PyDecisions {
                 out[8..16].copy_from_slice(&e.tau.to_le_bytes());
                 out[16] = kind_code(e.kind);
                 out[17] = u8::from(e.new_here);
+                out[18..26].copy_from_slice(&e.tokens.to_le_bytes());
+                out[26..30].copy_from_slice(&e.block.to_le_bytes());
+                out[30..34].copy_from_slice(&e.unmasked_in_block.to_le_bytes());
             })?,
             waiting: records(py, &d.waiting, WAITING_WIDTH, |w, out| {
                 out[0..8].copy_from_slice(&w.request.to_le_bytes());

@@ -10,8 +10,8 @@ use super::args::Unsigned;
 use super::decisions::PyDecisions;
 use super::profile::PyLatencyProfile;
 use crate::scheduler::{
-    InstanceChoice, InstanceSpec, LoadOrder, MeanRatePredictor, Policy, Prediction, RequestSpec,
-    SchedError, Scheduler, SchedulerConfig, StepResult, ThresholdPolicy,
+    FinishedRequest, InstanceChoice, InstanceSpec, LoadOrder, MeanRatePredictor, Policy,
+    Prediction, RequestSpec, SchedError, Scheduler, SchedulerConfig, StepResult, ThresholdPolicy,
 };
 
 create_exception!(
@@ -37,6 +37,12 @@ create_exception!(
     UnknownRequestError,
     SchedulerError,
     "No active request has this id."
+);
+create_exception!(
+    dilaserve._core,
+    AdmissionError,
+    SchedulerError,
+    "The cluster is overloaded and too many requests already wait for their first step."
 );
 create_exception!(
     dilaserve._core,
@@ -68,6 +74,7 @@ impl From<SchedError> for PyErr {
             | SchedError::UnknownThreshold { .. }
             | SchedError::RequestTooLarge { .. } => InvalidRequestError::new_err(msg),
             SchedError::UnknownRequest(_) => UnknownRequestError::new_err(msg),
+            SchedError::Admission { .. } => AdmissionError::new_err(msg),
             SchedError::InvalidInstance { .. }
             | SchedError::DuplicateInstance(_)
             | SchedError::GpuInUse { .. } => InvalidInstanceError::new_err(msg),
@@ -84,6 +91,34 @@ impl From<SchedError> for PyErr {
 /// Unsigned arguments of the scheduler raise `SchedulerError` when out of range.
 type Id = Unsigned<u64, SchedulerError>;
 type Small = Unsigned<u32, SchedulerError>;
+
+/// A finished request as Python gets it: `(id, steps, recompute_steps, taus, instances,
+/// migrations, first_dispatch, deadline, arrival)`.
+type FinishedTuple = (
+    u64,
+    u32,
+    u32,
+    Vec<f64>,
+    Vec<u64>,
+    u32,
+    Option<f64>,
+    f64,
+    f64,
+);
+
+fn finished_tuple(f: &FinishedRequest) -> FinishedTuple {
+    (
+        f.id,
+        f.steps,
+        f.recompute_steps,
+        f.taus.clone(),
+        f.instances.clone(),
+        f.migrations,
+        f.first_dispatch,
+        f.deadline,
+        f.arrival,
+    )
+}
 
 /// A non-negative count from Python, or an error naming the field.
 fn count(field: &str, value: i64, error: impl Fn(String) -> SchedError) -> Result<u32, SchedError> {
@@ -148,7 +183,7 @@ impl PyScheduler {
     #[pyo3(signature = (
         profile, *, thresholds, block_size, caching, max_batch_tokens, slo_window_s,
         threshold_policy, fixed_tau, load_control, load_order, instance_choice, migration,
-        prediction, predict_every, predictor_rates,
+        prediction, predict_every, predictor_rates, max_queued=None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -167,6 +202,7 @@ impl PyScheduler {
         prediction: &str,
         predict_every: i64,
         predictor_rates: Option<Vec<(f64, f64)>>,
+        max_queued: Option<i64>,
     ) -> PyResult<Self> {
         let policy = Policy {
             threshold: parse_threshold(threshold_policy, fixed_tau)?,
@@ -186,6 +222,9 @@ impl PyScheduler {
                 ))
             })?,
             slo_window_s,
+            max_queued: max_queued
+                .map(|m| count("max_queued", m, SchedError::Config))
+                .transpose()?,
             policy,
         };
         let predictor = match predictor_rates {
@@ -206,6 +245,18 @@ impl PyScheduler {
     #[getter]
     fn active_requests(&self) -> usize {
         self.inner.active_requests()
+    }
+
+    /// Requests that arrived and were never dispatched.
+    #[getter]
+    fn queued_requests(&self) -> u32 {
+        self.inner.queued_requests()
+    }
+
+    /// Whether the last round's load control found the cluster overloaded.
+    #[getter]
+    fn overloaded(&self) -> bool {
+        self.inner.overloaded()
     }
 
     #[pyo3(signature = (
@@ -242,13 +293,14 @@ impl PyScheduler {
     }
 
     /// Applies a step report: `(request, committed, confidence or None, finished)` per
-    /// request of the batch. Returns the ids of requests that finished.
+    /// request of the batch. Returns the requests that finished, as tuples (see
+    /// `FinishedTuple`).
     fn step_done(
         &mut self,
         instance: Id,
         measured_s: f64,
         results: Vec<(Id, i64, Option<[f64; 5]>, bool)>,
-    ) -> PyResult<Vec<u64>> {
+    ) -> PyResult<Vec<FinishedTuple>> {
         let instance = instance.0;
         let parsed = results
             .into_iter()
@@ -267,28 +319,56 @@ impl PyScheduler {
                 })
             })
             .collect::<Result<Vec<_>, SchedError>>()?;
-        Ok(self
-            .inner
-            .step_done(instance, measured_s, &parsed)?
-            .to_vec())
+        let finished = self.inner.step_done(instance, measured_s, &parsed)?;
+        Ok(finished.iter().map(finished_tuple).collect())
+    }
+
+    /// Fails the step in flight on `instance`; returns the ids of its requests.
+    fn abort_step(&mut self, instance: Id) -> PyResult<Vec<u64>> {
+        Ok(self.inner.abort_step(instance.0)?.to_vec())
     }
 
     fn cancel(&mut self, id: Id) -> PyResult<()> {
         Ok(self.inner.cancel(id.0)?)
     }
 
-    #[pyo3(signature = (id, *, tp, gpus, node=Unsigned::new(0)))]
-    fn add_instance(&mut self, id: Id, tp: Small, gpus: Vec<Small>, node: Small) -> PyResult<()> {
+    #[pyo3(signature = (
+        id, *, tp, gpus, node=Unsigned::new(0), kv_tokens=None, max_requests=None,
+        max_batch_tokens=None,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn add_instance(
+        &mut self,
+        id: Id,
+        tp: Small,
+        gpus: Vec<Small>,
+        node: Small,
+        kv_tokens: Option<Id>,
+        max_requests: Option<Small>,
+        max_batch_tokens: Option<Id>,
+    ) -> PyResult<()> {
         Ok(self.inner.add_instance(InstanceSpec {
             id: id.0,
             tp: tp.0,
             gpus: gpus.into_iter().map(|g| g.0).collect(),
             node: node.0,
+            kv_tokens: kv_tokens.map(|k| k.0),
+            max_requests: max_requests.map(|m| m.0),
+            max_batch_tokens: max_batch_tokens.map(|b| b.0),
         })?)
     }
 
     fn drain_instance(&mut self, id: Id) -> PyResult<()> {
         Ok(self.inner.drain_instance(id.0)?)
+    }
+
+    fn undrain_instance(&mut self, id: Id) -> PyResult<()> {
+        Ok(self.inner.undrain_instance(id.0)?)
+    }
+
+    /// Draining instances that are idle and hold no request.
+    fn drained_instances(&self) -> Vec<u64> {
+        self.inner.drained_instances()
     }
 
     fn remove_instance(&mut self, id: Id) -> PyResult<()> {
@@ -334,6 +414,10 @@ impl PyScheduler {
             .map(|s| (s.cache, s.recompute))
             .collect();
         d.set_item("predictions", predictions)?;
+        d.set_item(
+            "confidence",
+            r.confidence.map(|[a, b, c, e, f]| (a, b, c, e, f)),
+        )?;
         Ok(d)
     }
 
@@ -353,6 +437,10 @@ impl PyScheduler {
         d.set_item("resident_tokens", i.resident_tokens)?;
         d.set_item("factor", i.factor)?;
         d.set_item("steps_run", i.steps_run)?;
+        d.set_item("kv_tokens", i.kv_tokens)?;
+        d.set_item("max_requests", i.max_requests)?;
+        d.set_item("max_batch_tokens", i.max_batch_tokens)?;
+        d.set_item("reserved_for", i.reserved_for)?;
         Ok(d)
     }
 }
@@ -367,6 +455,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?;
     m.add("InvalidRequestError", py.get_type::<InvalidRequestError>())?;
     m.add("UnknownRequestError", py.get_type::<UnknownRequestError>())?;
+    m.add("AdmissionError", py.get_type::<AdmissionError>())?;
     m.add(
         "InvalidInstanceError",
         py.get_type::<InvalidInstanceError>(),

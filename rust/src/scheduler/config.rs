@@ -143,6 +143,10 @@ pub struct SchedulerConfig {
     /// SLO window the load controller plans for; `None` uses the mean SLO
     /// (deadline − arrival) of the active requests.
     pub slo_window_s: Option<f64>,
+    /// Admission bound: while load control finds the cluster overloaded, an arrival is
+    /// rejected once this many requests are queued (arrived, never dispatched). `None`
+    /// admits everything.
+    pub max_queued: Option<u32>,
     pub policy: Policy,
 }
 
@@ -154,6 +158,7 @@ impl Default for SchedulerConfig {
             caching: true,
             max_batch_tokens: 8192,
             slo_window_s: None,
+            max_queued: None,
             policy: Policy::dilaserve(),
         }
     }

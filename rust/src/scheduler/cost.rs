@@ -15,9 +15,10 @@ pub struct DegreeCosts {
     full: LatencyTable,
     /// Block-only steps; present only with caching.
     cache: Option<LatencyTable>,
-    /// Full-sequence tokens per second at the best batch size within the budget
+    /// Full-sequence tokens per second at the best batch size within `default_budget`
     /// (no caching only; with caching throughput depends on sequence lengths).
     full_throughput: f64,
+    default_budget: u64,
 }
 
 fn monotone_table(
@@ -38,6 +39,35 @@ fn monotone_table(
     Ok(clean.table(tp, kind)?.clone())
 }
 
+/// What bounds one instance's throughput: its batch budget and its resident capacity.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Limits {
+    pub budget: u64,
+    pub kv_tokens: Option<u64>,
+    pub max_requests: Option<u32>,
+}
+
+impl Limits {
+    /// An instance limited only by the batch budget.
+    pub fn budget(budget: u64) -> Self {
+        Self {
+            budget,
+            kv_tokens: None,
+            max_requests: None,
+        }
+    }
+}
+
+/// Best full-sequence tokens per second of `full` in steps of at most `budget` tokens.
+fn best_full_rate(full: &LatencyTable, budget: f64) -> f64 {
+    full.points()
+        .map(|(tokens, _)| tokens as f64)
+        .filter(|&tokens| tokens <= budget)
+        .chain([budget])
+        .map(|tokens| tokens / full.latency(tokens))
+        .fold(0.0, f64::max)
+}
+
 impl DegreeCosts {
     pub fn new(
         profile: &LatencyProfile,
@@ -53,19 +83,13 @@ impl DegreeCosts {
         } else {
             (monotone_table(profile, tp, StepKind::NoCache)?, None)
         };
-        let budget = max_batch_tokens as f64;
-        let full_throughput = full
-            .points()
-            .map(|(tokens, _)| tokens as f64)
-            .filter(|&tokens| tokens <= budget)
-            .chain([budget])
-            .map(|tokens| tokens / full.latency(tokens))
-            .fold(0.0, f64::max);
+        let full_throughput = best_full_rate(&full, max_batch_tokens as f64);
         Ok(Self {
             tp,
             full,
             cache,
             full_throughput,
+            default_budget: max_batch_tokens,
         })
     }
 
@@ -95,19 +119,35 @@ impl DegreeCosts {
         secs
     }
 
-    /// Load tokens (DESIGN §5 units) one instance processes per second.
+    /// Load tokens (DESIGN §5 units) one instance with `limits` processes per second.
     ///
-    /// Without caching: the best `b / LP(b)` within the batch budget. With caching, the
-    /// per-block mix of DESIGN §5: `max_seqs` requests of `mean_seq_tokens` each run
+    /// Without caching: the best `b / LP(b)` for `b` within the batch budget. With caching,
+    /// the per-block mix of DESIGN §5: `max_seqs` requests of `mean_seq_tokens` each run
     /// `B − 1` cache steps and one recompute step per block, where *(ours)* `max_seqs` is
     /// how many mean-length sequences fit the batch budget.
-    pub fn throughput(&self, mean_seq_tokens: f64, block: u32, max_batch_tokens: u64) -> f64 {
+    ///
+    /// *(ours)* Resident capacity bounds both: the requests in a batch are resident, so a
+    /// step holds at most `kv_tokens` tokens and `max_requests` sequences.
+    pub fn throughput(&self, mean_seq_tokens: f64, block: u32, limits: Limits) -> f64 {
+        let seq = mean_seq_tokens.max(1.0);
+        let mut room = limits.budget as f64;
+        if let Some(kv) = limits.kv_tokens {
+            room = room.min(kv as f64);
+        }
         let Some(cache) = &self.cache else {
-            return self.full_throughput;
+            if let Some(m) = limits.max_requests {
+                room = room.min(f64::from(m) * seq);
+            }
+            if room == self.default_budget as f64 {
+                return self.full_throughput;
+            }
+            return best_full_rate(&self.full, room);
         };
         let b = f64::from(block);
-        let seq = mean_seq_tokens.max(1.0);
-        let max_seqs = (max_batch_tokens as f64 / seq).floor().max(1.0);
+        let mut max_seqs = (room / seq).floor().max(1.0);
+        if let Some(m) = limits.max_requests {
+            max_seqs = max_seqs.min(f64::from(m));
+        }
         let tokens = b * max_seqs * (b - 1.0) + max_seqs * seq;
         let secs = cache.latency(b * max_seqs) * (b - 1.0) + self.full(max_seqs * seq);
         tokens / secs
@@ -145,9 +185,9 @@ mod tests {
     fn throughput_without_caching_is_best_point_within_budget() {
         let c = DegreeCosts::new(&profile(), 1, false, 400).unwrap();
         // 100/0.01 = 10k, 200/0.01 = 20k, 400/0.03 = 13.3k tokens/s.
-        assert!((c.throughput(0.0, 32, 400) - 20_000.0).abs() < 1e-6);
+        assert!((c.throughput(0.0, 32, Limits::budget(400)) - 20_000.0).abs() < 1e-6);
         let small = DegreeCosts::new(&profile(), 1, false, 150).unwrap();
-        assert!((small.throughput(0.0, 32, 150) - 15_000.0).abs() < 1e-6);
+        assert!((small.throughput(0.0, 32, Limits::budget(150)) - 15_000.0).abs() < 1e-6);
     }
 
     #[test]
@@ -155,9 +195,33 @@ mod tests {
         let c = DegreeCosts::new(&profile(), 1, true, 1000).unwrap();
         // mean sequence 500 -> 2 sequences; 31 cache steps of 64 tokens + 1 recompute of 1000.
         let expected = (32.0 * 2.0 * 31.0 + 1000.0) / (c.cache(64.0) * 31.0 + c.full(1000.0));
-        assert_eq!(c.throughput(500.0, 32, 1000), expected);
+        assert_eq!(c.throughput(500.0, 32, Limits::budget(1000)), expected);
         assert_eq!(c.batch(1000, 64), c.full(1000.0) + c.cache(64.0));
         assert_eq!(c.batch(0, 0), 0.0);
+    }
+
+    #[test]
+    fn resident_capacity_bounds_throughput() {
+        let c = DegreeCosts::new(&profile(), 1, false, 400).unwrap();
+        // KV room for 150 tokens caps the batch like a 150-token budget would.
+        let kv = Limits {
+            kv_tokens: Some(150),
+            ..Limits::budget(400)
+        };
+        assert!((c.throughput(0.0, 32, kv) - 15_000.0).abs() < 1e-6);
+        // One resident request of 100 tokens: batches of 100.
+        let one = Limits {
+            max_requests: Some(1),
+            ..Limits::budget(400)
+        };
+        assert!((c.throughput(100.0, 32, one) - 10_000.0).abs() < 1e-6);
+        let cached = DegreeCosts::new(&profile(), 1, true, 1000).unwrap();
+        let two = Limits {
+            max_requests: Some(1),
+            ..Limits::budget(1000)
+        };
+        let expected = (32.0 * 31.0 + 500.0) / (cached.cache(32.0) * 31.0 + cached.full(500.0));
+        assert_eq!(cached.throughput(500.0, 32, two), expected);
     }
 
     #[test]

@@ -13,6 +13,13 @@ pub struct BatchEntry {
     /// The instance does not hold this request's token state yet (arrival or migration):
     /// the step command must carry it.
     pub new_here: bool,
+    /// Tokens this step feeds the model: the whole sequence for a recompute or no-cache
+    /// step, the block for a cache step.
+    pub tokens: u64,
+    /// Index of the output block this step works on.
+    pub block: u32,
+    /// Positions of that block already unmasked before this step.
+    pub unmasked_in_block: u32,
 }
 
 /// The next batch of one instance: `entries[start..start + len]` of [`Decisions`].
@@ -38,15 +45,19 @@ pub enum MigrationReason {
     Draining,
     /// The request's instance was removed; its state moves from the engine's copy.
     InstanceRemoved,
+    /// The request's last step failed on its instance ([`super::Scheduler::abort_step`]);
+    /// its state moves from the engine's copy.
+    StepAborted,
 }
 
 impl MigrationReason {
-    pub const ALL: [MigrationReason; 5] = [
+    pub const ALL: [MigrationReason; 6] = [
         MigrationReason::Rebalance,
         MigrationReason::HomeBusy,
         MigrationReason::HomeFull,
         MigrationReason::Draining,
         MigrationReason::InstanceRemoved,
+        MigrationReason::StepAborted,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -56,6 +67,7 @@ impl MigrationReason {
             MigrationReason::HomeFull => "home_full",
             MigrationReason::Draining => "draining",
             MigrationReason::InstanceRemoved => "instance_removed",
+            MigrationReason::StepAborted => "step_aborted",
         }
     }
 }
@@ -72,23 +84,31 @@ pub struct Migration {
 pub enum WaitReason {
     /// No instance accepts new work (none, or all draining).
     NoInstance,
-    /// Every accepting instance is running a step.
+    /// Every accepting instance is running a step and none has batch-token room for this
+    /// request in its next one.
     AllBusy,
-    /// No idle instance has batch-token room for this request.
+    /// No instance has batch-token room for this request.
     NoRoom,
     /// The request must stay on its instance (cache step, or no migration), which is busy.
     HomeBusy,
     /// The request must stay on its instance, which has no batch-token room left.
     HomeFull,
+    /// No instance it may move to has resident capacity (KV tokens or request slots) for it.
+    NoKvRoom,
+    /// The instance that would complete its step earliest is running a step: the request
+    /// waits for it rather than starting elsewhere now.
+    QueuedBusy,
 }
 
 impl WaitReason {
-    pub const ALL: [WaitReason; 5] = [
+    pub const ALL: [WaitReason; 7] = [
         WaitReason::NoInstance,
         WaitReason::AllBusy,
         WaitReason::NoRoom,
         WaitReason::HomeBusy,
         WaitReason::HomeFull,
+        WaitReason::NoKvRoom,
+        WaitReason::QueuedBusy,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -98,6 +118,8 @@ impl WaitReason {
             WaitReason::NoRoom => "no_room",
             WaitReason::HomeBusy => "home_busy",
             WaitReason::HomeFull => "home_full",
+            WaitReason::NoKvRoom => "no_kv_room",
+            WaitReason::QueuedBusy => "queued_busy",
         }
     }
 }
@@ -118,6 +140,9 @@ pub struct Decisions {
     pub entries: Vec<BatchEntry>,
     pub migrations: Vec<Migration>,
     pub waiting: Vec<Waiting>,
+    /// Load control found that even every request at its lowest allowed threshold exceeds
+    /// the cluster's capacity (always false when load control is off).
+    pub overloaded: bool,
     /// Wall time the round took inside the scheduler.
     pub elapsed_s: f64,
 }
@@ -133,6 +158,7 @@ impl Decisions {
         self.entries.clear();
         self.migrations.clear();
         self.waiting.clear();
+        self.overloaded = false;
         self.elapsed_s = 0.0;
     }
 }

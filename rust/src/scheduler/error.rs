@@ -26,6 +26,15 @@ pub enum SchedError {
          batch budget of {max}"
     )]
     RequestTooLarge { id: u64, tokens: u64, max: u64 },
+    #[error(
+        "request {id} rejected: the cluster is overloaded and {queued} requests already wait \
+         for their first step (max_queued {max_queued})"
+    )]
+    Admission {
+        id: u64,
+        queued: u32,
+        max_queued: u32,
+    },
     #[error("invalid instance {id}: {reason}")]
     InvalidInstance { id: u64, reason: String },
     #[error("instance {0} already exists")]

@@ -1,21 +1,27 @@
-//! Event handlers: arrivals, step reports, cancellations and instance changes. Each checks
-//! its whole input before changing anything, so a rejected event leaves no trace.
+//! Request events: arrivals, step reports and cancellations. Each checks its whole input
+//! before changing anything, so a rejected event leaves no trace.
 
 use super::config::Prediction;
-use super::cost::DegreeCosts;
 use super::error::SchedError;
-use super::instance::InstanceSpec;
+use super::history::FinishedRequest;
 use super::request::{Request, RequestSpec};
 use super::Scheduler;
 use crate::profile::StepKind;
 
 /// A worker's report on one request of a finished step.
+///
+/// Confidence statistics are the min, q25, median, mean and q75 of the confidences of the
+/// current block's positions that were still masked when the step began. A step that
+/// completes its block reports them too, but they then describe a finished block: the
+/// scheduler drops them, and the request has no confidence features until its next report
+/// (the next block's confidences are unknown before its first step). Statistics that are
+/// not all finite are dropped the same way, for that request only.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct StepResult {
     pub request: u64,
     /// Tokens unmasked by this step (at least one: the threshold rule always commits one).
     pub committed: u32,
-    /// Confidence statistics of the still-masked output tokens: min, q25, median, mean, q75.
+    /// Confidence statistics: min, q25, median, mean, q75 (see above).
     pub confidence: Option<[f64; 5]>,
     /// The request ended early (EOS committed with everything before it unmasked).
     pub finished: bool,
@@ -34,12 +40,25 @@ impl StepResult {
 
 impl Scheduler {
     /// Admits a new request; it is ready for the next round.
+    ///
+    /// While the last round found the cluster overloaded, an arrival is rejected with
+    /// [`SchedError::Admission`] once `max_queued` requests wait for their first step.
     pub fn arrive(&mut self, spec: RequestSpec) -> Result<(), SchedError> {
         if self.requests.contains(spec.id) {
             return Err(SchedError::DuplicateRequest(spec.id));
         }
         let (request, allowed) = Request::from_spec(&spec, &self.config, self.requests.next_seq())?;
+        if let Some(max_queued) = self.config.max_queued.filter(|_| self.overloaded) {
+            if self.queued >= max_queued {
+                return Err(SchedError::Admission {
+                    id: spec.id,
+                    queued: self.queued,
+                    max_queued,
+                });
+            }
+        }
         let pos = self.requests.insert(request, allowed);
+        self.queued += 1;
         self.scratch.pending.clear();
         self.scratch.pending.push(pos);
         self.refresh_predictions();
@@ -47,29 +66,38 @@ impl Scheduler {
     }
 
     /// Takes a request out of the scheduler. If it is in flight, its instance's report may
-    /// still name it; that result is ignored.
+    /// still name it; that result is ignored, even if a new request reuses the id meanwhile.
     pub fn cancel(&mut self, id: u64) -> Result<(), SchedError> {
         let pos = self.requests.pos_of(id)?;
         let r = *self.requests.req(pos);
         if let Some(home) = r.home {
+            let estimate = r.next_step_estimate(self.config.caching);
             let inst = &mut self.instances.slots[home as usize];
             inst.drop_resident(r.seq_tokens());
             if r.in_flight {
                 inst.inflight.retain(|&h| h != r.handle);
                 inst.cancelled.push(id);
+                inst.next_tokens = inst.next_tokens.saturating_sub(estimate);
             }
+        }
+        if r.last_instance.is_none() {
+            self.queued = self.queued.saturating_sub(1);
+        }
+        if self.reservation.is_some_and(|v| v.handle == r.handle) {
+            self.reservation = None;
         }
         self.requests.remove(pos);
         Ok(())
     }
 
-    /// Applies the report of `instance`'s finished step. Returns the requests that finished.
+    /// Applies the report of `instance`'s finished step. Returns the requests that
+    /// finished, with their statistics.
     pub fn step_done(
         &mut self,
         instance: u64,
         measured_s: f64,
         results: &[StepResult],
-    ) -> Result<&[u64], SchedError> {
+    ) -> Result<&[FinishedRequest], SchedError> {
         let inst_slot = self.instances.slot_of(instance)?;
         self.check_report(inst_slot, measured_s, results)?;
         let inst = &mut self.instances.slots[inst_slot as usize];
@@ -78,14 +106,18 @@ impl Scheduler {
         inst.cancelled.clear();
         inst.busy = false;
         inst.inflight_tokens = 0;
+        inst.next_tokens = 0;
         self.scratch.finished.clear();
         self.scratch.pending.clear();
         for i in 0..self.scratch.reported.len() {
             let (pos, index) = self.scratch.reported[i];
             let result = &results[index];
-            if let Some(conf) = result.confidence {
-                let handle = self.requests.req(pos).handle;
-                self.requests.confidence[handle as usize] = Some(conf);
+            let r = *self.requests.req(pos);
+            let tau = self.requests.last_tau(pos);
+            let history = &mut self.requests.history[r.handle as usize];
+            history.taus.push(tau);
+            if r.next_kind == StepKind::Recompute {
+                history.recompute_steps += 1;
             }
             match self.commit(pos, result.committed, result.finished) {
                 Commit::Finished => {
@@ -93,10 +125,30 @@ impl Scheduler {
                     if let Some(home) = r.home {
                         self.instances.slots[home as usize].drop_resident(r.seq_tokens());
                     }
+                    let history = &mut self.requests.history[r.handle as usize];
+                    self.scratch.finished.push(FinishedRequest {
+                        id: r.id,
+                        steps: r.steps_done,
+                        recompute_steps: history.recompute_steps,
+                        taus: std::mem::take(&mut history.taus),
+                        instances: std::mem::take(&mut history.instances),
+                        migrations: history.migrations,
+                        first_dispatch: history.first_dispatch,
+                        deadline: r.deadline,
+                        arrival: r.arrival,
+                    });
                     self.requests.remove(pos);
-                    self.scratch.finished.push(r.id);
                 }
-                Commit::Continues { was_full } => self.update_prediction(pos, was_full),
+                Commit::Continues {
+                    was_full,
+                    block_done,
+                } => {
+                    let confidence = result
+                        .confidence
+                        .filter(|c| !block_done && c.iter().all(|x| x.is_finite()));
+                    self.requests.confidence[r.handle as usize] = confidence;
+                    self.update_prediction(pos, was_full);
+                }
             }
         }
         self.refresh_predictions();
@@ -127,11 +179,12 @@ impl Scheduler {
         let reported = &mut self.scratch.reported;
         reported.clear();
         for (index, res) in results.iter().enumerate() {
-            let pos = match self.requests.pos_of(res.request) {
-                Ok(pos) => pos,
-                Err(_) if inst.cancelled.contains(&res.request) => continue,
-                Err(e) => return Err(e),
-            };
+            // A result naming a request cancelled during this step is about that request,
+            // even if a new request has taken its id since.
+            if inst.cancelled.contains(&res.request) {
+                continue;
+            }
+            let pos = self.requests.pos_of(res.request)?;
             let r = self.requests.req(pos);
             if !(r.in_flight && r.home == Some(inst_slot)) {
                 return Err(bad(format!("request {} is not in its batch", res.request)));
@@ -143,14 +196,6 @@ impl Scheduler {
                      at least one)",
                     res.request, res.committed, masked
                 )));
-            }
-            if let Some(conf) = res.confidence {
-                if conf.iter().any(|c| !c.is_finite()) {
-                    return Err(bad(format!(
-                        "request {} reported non-finite confidence {conf:?}",
-                        res.request
-                    )));
-                }
             }
             reported.push((pos, index));
         }
@@ -180,7 +225,8 @@ impl Scheduler {
         r.steps_done += 1;
         r.unmasked += committed;
         r.unmasked_in_block += committed;
-        if r.unmasked_in_block == r.block_size {
+        let block_done = r.unmasked_in_block == r.block_size;
+        if block_done {
             r.current_block += 1;
             r.unmasked_in_block = 0;
             if caching {
@@ -192,7 +238,10 @@ impl Scheduler {
         if eos || r.unmasked >= r.output_len {
             Commit::Finished
         } else {
-            Commit::Continues { was_full }
+            Commit::Continues {
+                was_full,
+                block_done,
+            }
         }
     }
 
@@ -208,7 +257,7 @@ impl Scheduler {
     }
 
     /// Runs the predictor once over every position in `scratch.pending`.
-    fn refresh_predictions(&mut self) {
+    pub(crate) fn refresh_predictions(&mut self) {
         let scratch = &mut self.scratch;
         if scratch.pending.is_empty() {
             return;
@@ -235,66 +284,9 @@ impl Scheduler {
         }
         scratch.pending.clear();
     }
-
-    /// Announces a new instance; it takes requests from the next round.
-    pub fn add_instance(&mut self, spec: InstanceSpec) -> Result<(), SchedError> {
-        self.instances.validate(&spec)?;
-        let group = match self.groups.iter().position(|g| g.tp == spec.tp) {
-            Some(group) => group,
-            None => {
-                let costs = DegreeCosts::new(
-                    &self.profile,
-                    spec.tp,
-                    self.config.caching,
-                    self.config.max_batch_tokens,
-                )?;
-                self.groups.push(costs);
-                self.groups.len() - 1
-            }
-        };
-        self.instances.insert(spec, group);
-        Ok(())
-    }
-
-    /// Stops sending new requests to an instance. Requests it holds finish their current
-    /// block there (with caching) and then move; the caller removes it once it holds none.
-    pub fn drain_instance(&mut self, id: u64) -> Result<(), SchedError> {
-        let slot = self.instances.slot_of(id)?;
-        self.instances.slots[slot as usize].draining = true;
-        Ok(())
-    }
-
-    /// Forgets an instance (stopped or failed). Its requests, including those of a step in
-    /// flight, lose their cache and are placed again from the engine's copy of their state.
-    pub fn remove_instance(&mut self, id: u64) -> Result<(), SchedError> {
-        let inst_slot = self.instances.slot_of(id)?;
-        let inst = &mut self.instances.slots[inst_slot as usize];
-        inst.inflight.clear();
-        inst.cancelled.clear();
-        self.instances.remove(inst_slot);
-        let caching = self.config.caching;
-        let online = matches!(self.config.policy.prediction, Prediction::Online { .. });
-        self.scratch.pending.clear();
-        for pos in 0..self.requests.len() as u32 {
-            let r = self.requests.req_mut(pos);
-            if r.alive && r.home == Some(inst_slot) {
-                r.home = None;
-                r.in_flight = false;
-                r.displaced_from = Some(id);
-                if caching && r.next_kind == StepKind::Cache {
-                    r.next_kind = StepKind::Recompute;
-                    if online {
-                        self.scratch.pending.push(pos);
-                    }
-                }
-            }
-        }
-        self.refresh_predictions();
-        Ok(())
-    }
 }
 
 enum Commit {
     Finished,
-    Continues { was_full: bool },
+    Continues { was_full: bool, block_done: bool },
 }

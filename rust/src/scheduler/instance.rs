@@ -1,6 +1,6 @@
-//! Instance state: identity and placement, the batch in flight, the requests it holds, and
-//! *(ours)* a measured-over-predicted step-time factor that corrects the profile online for
-//! threshold choice and finish-time predictions.
+//! Instance state: identity and placement, capacity, the batch in flight, the requests it
+//! holds, and *(ours)* a measured-over-predicted step-time factor that corrects the profile
+//! online for threshold choice and finish-time predictions.
 
 use std::collections::HashMap;
 
@@ -14,6 +14,29 @@ pub struct InstanceSpec {
     pub tp: u32,
     pub gpus: Vec<u32>,
     pub node: u32,
+    /// KV token capacity: the sequence tokens (prompt + padded output) of the requests
+    /// resident here may not exceed it. `None`: unbounded.
+    pub kv_tokens: Option<u64>,
+    /// Most requests resident at once. `None`: unbounded.
+    pub max_requests: Option<u32>,
+    /// Most tokens one step of this instance may process. `None`: the scheduler's
+    /// `max_batch_tokens`.
+    pub max_batch_tokens: Option<u64>,
+}
+
+impl InstanceSpec {
+    /// An instance without capacity limits beyond the scheduler's batch budget.
+    pub fn new(id: u64, tp: u32, gpus: Vec<u32>, node: u32) -> Self {
+        Self {
+            id,
+            tp,
+            gpus,
+            node,
+            kv_tokens: None,
+            max_requests: None,
+            max_batch_tokens: None,
+        }
+    }
 }
 
 /// Weight of the newest measured/predicted ratio in the step-time factor.
@@ -27,6 +50,10 @@ pub(crate) struct Instance {
     pub tp: u32,
     pub gpus: Vec<u32>,
     pub node: u32,
+    pub kv_tokens: Option<u64>,
+    pub max_requests: Option<u32>,
+    /// Batch-token budget of one step.
+    pub budget: u64,
     /// Index of this degree's step costs.
     pub group: usize,
     pub alive: bool,
@@ -37,6 +64,9 @@ pub(crate) struct Instance {
     pub cancelled: Vec<u64>,
     pub busy: bool,
     pub inflight_tokens: u64,
+    /// *(ours)* Estimated tokens the requests of the step in flight feed its next step: a
+    /// block each with caching (their likely cache steps), the whole sequence without.
+    pub next_tokens: u64,
     pub started_at: f64,
     /// Profile prediction of the step in flight, before the factor.
     pub predicted_s: f64,
@@ -62,6 +92,35 @@ impl Instance {
         }
         self.last_step_s = measured_s;
         self.steps_run += 1;
+    }
+
+    /// Tokens already expected in this instance's next step before this round assigns any.
+    pub fn base_tokens(&self) -> u64 {
+        if self.busy {
+            self.next_tokens
+        } else {
+            0
+        }
+    }
+
+    /// Whether `residents` more requests holding `seq_tokens` in all fit beside those here.
+    pub fn has_resident_room(&self, residents: u32, seq_tokens: u64) -> bool {
+        self.kv_tokens
+            .is_none_or(|kv| self.resident_tokens + seq_tokens <= kv)
+            && self
+                .max_requests
+                .is_none_or(|m| u64::from(self.residents) + u64::from(residents) <= u64::from(m))
+    }
+
+    /// Whether a request of `seq_tokens` whose steps feed up to `step_tokens` fits here once
+    /// every other request has left.
+    pub fn could_hold(&self, seq_tokens: u64, step_tokens: u64) -> bool {
+        self.kv_tokens.is_none_or(|kv| seq_tokens <= kv) && step_tokens <= self.budget
+    }
+
+    /// Whether the capacity differs from an unlimited instance with budget `default_budget`.
+    pub fn limited(&self, default_budget: u64) -> bool {
+        self.kv_tokens.is_some() || self.max_requests.is_some() || self.budget != default_budget
     }
 
     pub fn add_resident(&mut self, seq_tokens: u64) {
@@ -92,7 +151,7 @@ impl InstanceTable {
             .ok_or(SchedError::UnknownInstance(id))
     }
 
-    /// Checks a spec: unique id, one distinct free GPU per TP rank.
+    /// Checks a spec: unique id, one distinct free GPU per TP rank, non-zero capacities.
     pub fn validate(&self, spec: &InstanceSpec) -> Result<(), SchedError> {
         let invalid = |reason: String| SchedError::InvalidInstance {
             id: spec.id,
@@ -110,6 +169,15 @@ impl InstanceTable {
                 spec.tp, spec.tp, spec.gpus
             )));
         }
+        if spec.kv_tokens == Some(0) {
+            return Err(invalid("kv_tokens must be at least 1".into()));
+        }
+        if spec.max_requests == Some(0) {
+            return Err(invalid("max_requests must be at least 1".into()));
+        }
+        if spec.max_batch_tokens == Some(0) {
+            return Err(invalid("max_batch_tokens must be at least 1".into()));
+        }
         for (i, gpu) in spec.gpus.iter().enumerate() {
             if spec.gpus[..i].contains(gpu) {
                 return Err(invalid(format!("GPU {gpu} is listed twice")));
@@ -126,8 +194,9 @@ impl InstanceTable {
         Ok(())
     }
 
-    /// Adds a validated instance in degree group `group`.
-    pub fn insert(&mut self, spec: InstanceSpec, group: usize) -> u32 {
+    /// Adds a validated instance in degree group `group`; `default_budget` is the batch
+    /// budget of an instance that names none.
+    pub fn insert(&mut self, spec: InstanceSpec, group: usize, default_budget: u64) -> u32 {
         let slot = self.slots.len() as u32;
         for &gpu in &spec.gpus {
             self.gpus_held.insert((spec.node, gpu), spec.id);
@@ -138,6 +207,9 @@ impl InstanceTable {
             tp: spec.tp,
             gpus: spec.gpus,
             node: spec.node,
+            kv_tokens: spec.kv_tokens,
+            max_requests: spec.max_requests,
+            budget: spec.max_batch_tokens.unwrap_or(default_budget),
             group,
             alive: true,
             draining: false,
@@ -145,6 +217,7 @@ impl InstanceTable {
             cancelled: Vec::new(),
             busy: false,
             inflight_tokens: 0,
+            next_tokens: 0,
             started_at: 0.0,
             predicted_s: 0.0,
             residents: 0,
@@ -161,6 +234,8 @@ impl InstanceTable {
         let inst = &mut self.slots[slot as usize];
         inst.alive = false;
         inst.busy = false;
+        inst.inflight_tokens = 0;
+        inst.next_tokens = 0;
         inst.residents = 0;
         inst.resident_tokens = 0;
         self.index.remove(&inst.id);
@@ -175,19 +250,14 @@ mod tests {
     use super::*;
 
     fn spec(id: u64, tp: u32, gpus: Vec<u32>) -> InstanceSpec {
-        InstanceSpec {
-            id,
-            tp,
-            gpus,
-            node: 0,
-        }
+        InstanceSpec::new(id, tp, gpus, 0)
     }
 
     #[test]
     fn validates_gpus() {
         let mut t = InstanceTable::default();
         t.validate(&spec(1, 2, vec![0, 1])).unwrap();
-        t.insert(spec(1, 2, vec![0, 1]), 0);
+        t.insert(spec(1, 2, vec![0, 1]), 0, 100);
         assert!(matches!(
             t.validate(&spec(1, 1, vec![5])),
             Err(SchedError::DuplicateInstance(1))
@@ -203,6 +273,25 @@ mod tests {
         assert!(t.validate(&spec(2, 2, vec![3])).is_err());
         assert!(t.validate(&spec(2, 2, vec![3, 3])).is_err());
         assert!(t.validate(&spec(2, 0, vec![])).is_err());
+        for zero in [
+            InstanceSpec {
+                kv_tokens: Some(0),
+                ..spec(2, 1, vec![4])
+            },
+            InstanceSpec {
+                max_requests: Some(0),
+                ..spec(2, 1, vec![4])
+            },
+            InstanceSpec {
+                max_batch_tokens: Some(0),
+                ..spec(2, 1, vec![4])
+            },
+        ] {
+            assert!(matches!(
+                t.validate(&zero),
+                Err(SchedError::InvalidInstance { .. })
+            ));
+        }
         t.remove(0);
         t.validate(&spec(2, 1, vec![1])).unwrap();
         assert!(t.slot_of(1).is_err());
@@ -211,7 +300,7 @@ mod tests {
     #[test]
     fn factor_tracks_measured_time() {
         let mut t = InstanceTable::default();
-        t.insert(spec(1, 1, vec![0]), 0);
+        t.insert(spec(1, 1, vec![0]), 0, 100);
         let inst = &mut t.slots[0];
         inst.predicted_s = 0.1;
         inst.observe_step(0.2);
@@ -219,5 +308,30 @@ mod tests {
         inst.observe_step(100.0);
         assert!((inst.factor - (0.8 * 1.2 + 0.2 * 4.0)).abs() < 1e-12);
         assert_eq!(inst.steps_run, 2);
+    }
+
+    #[test]
+    fn resident_room_counts_tokens_and_requests() {
+        let mut t = InstanceTable::default();
+        let limited = InstanceSpec {
+            kv_tokens: Some(1000),
+            max_requests: Some(2),
+            max_batch_tokens: Some(500),
+            ..spec(1, 1, vec![0])
+        };
+        t.insert(limited, 0, 8192);
+        t.insert(spec(2, 1, vec![1]), 0, 8192);
+        let (a, b) = (&t.slots[0], &t.slots[1]);
+        assert_eq!((a.budget, b.budget), (500, 8192));
+        assert!(a.limited(8192) && !b.limited(8192) && b.limited(4096));
+        assert!(a.has_resident_room(1, 1000) && !a.has_resident_room(1, 1001));
+        assert!(a.could_hold(1000, 500) && !a.could_hold(1000, 501));
+        assert!(!a.could_hold(1001, 10));
+        let a = &mut t.slots[0];
+        a.add_resident(600);
+        a.add_resident(100);
+        assert!(!a.has_resident_room(1, 1), "two requests already resident");
+        a.drop_resident(100);
+        assert!(a.has_resident_room(1, 400) && !a.has_resident_room(1, 401));
     }
 }

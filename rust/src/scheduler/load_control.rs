@@ -29,6 +29,9 @@ impl LoadControl {
     /// candidate `k`. Request `i` keeps the highest allowed `k` with
     /// `committed + load(i, k) + Σ_{j>i} load(j, lowest_j) <= capacity`, or its lowest one;
     /// `committed` sums the loads at the caps already kept. O(n × thresholds).
+    ///
+    /// Returns whether the load at every request's lowest threshold alone exceeds
+    /// `capacity` (overload: no cap can make the load fit).
     pub fn run(
         &mut self,
         n: usize,
@@ -36,7 +39,7 @@ impl LoadControl {
         allowed: impl Fn(usize) -> u32,
         load: impl Fn(usize, usize) -> f64,
         mut set_cap: impl FnMut(usize, usize),
-    ) {
+    ) -> bool {
         self.suffix.clear();
         self.suffix.resize(n + 1, 0.0);
         for i in (0..n).rev() {
@@ -61,6 +64,7 @@ impl LoadControl {
             committed += load(i, chosen);
             set_cap(i, chosen);
         }
+        self.suffix[0] > capacity
     }
 }
 
@@ -71,7 +75,7 @@ mod tests {
 
     fn run(loads: &[Vec<f64>], masks: &[u32], capacity: f64) -> Vec<usize> {
         let mut caps = vec![usize::MAX; loads.len()];
-        LoadControl::default().run(
+        let _ = LoadControl::default().run(
             loads.len(),
             capacity,
             |i| masks[i],
@@ -90,6 +94,15 @@ mod tests {
         assert_eq!(run(&loads, &masks, 60.0), vec![2, 0, 0]);
         assert_eq!(run(&loads, &masks, 70.0), vec![2, 1, 0]);
         assert_eq!(run(&loads, &masks, 5.0), vec![0, 0, 0]);
+        let mut control = LoadControl::default();
+        let overloaded = |control: &mut LoadControl, capacity| {
+            control.run(3, capacity, |_| 0b111, |i, k| loads[i][k], |_, _| {})
+        };
+        assert!(
+            overloaded(&mut control, 29.0),
+            "3 x 10 at the lowest exceeds 29"
+        );
+        assert!(!overloaded(&mut control, 30.0));
         // A request's own allowed set is respected.
         assert_eq!(run(&loads, &[0b110, 0b111, 0b011], 1000.0), vec![2, 2, 1]);
     }

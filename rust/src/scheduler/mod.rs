@@ -8,19 +8,31 @@
 //!
 //! *(ours)* A round only fills idle instances: an instance gets its next batch once its
 //! step is reported, so a request's next step always sees where its state now lives. A
-//! request free to move stays on its instance unless another one is strictly better.
+//! request free to move stays on its instance unless another one is strictly better; if
+//! the best instance is busy it waits for it (`QueuedBusy`) rather than start elsewhere.
+//!
+//! Instances may bound their resident requests (KV tokens, request count) and their batch
+//! tokens; placement never exceeds either. A request that no instance has room for reserves
+//! the instance that will fit it soonest, so a stream of small requests cannot starve it
+//! (see `reservation`). While load control finds the cluster overloaded, arrivals past
+//! `max_queued` waiting requests are rejected ([`SchedError::Admission`]); a request past
+//! its deadline still runs to the end unless cancelled.
 
+mod choice_tree;
 mod config;
 mod cost;
 mod decisions;
 mod error;
 mod events;
+mod history;
 mod instance;
+mod instance_events;
 mod load_control;
 mod placement;
 mod predictor;
 mod request;
 mod request_table;
+mod reservation;
 mod round;
 mod threshold;
 
@@ -29,17 +41,22 @@ mod proptests;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
+mod tests_capacity;
+#[cfg(test)]
+mod tests_events;
+#[cfg(test)]
 mod tests_lifecycle;
 
 pub use config::{
     InstanceChoice, LoadOrder, Policy, Prediction, SchedulerConfig, ThresholdPolicy, MAX_THRESHOLDS,
 };
-pub use cost::DegreeCosts;
+pub use cost::{DegreeCosts, Limits};
 pub use decisions::{
     Batch, BatchEntry, Decisions, Migration, MigrationReason, WaitReason, Waiting,
 };
 pub use error::SchedError;
 pub use events::StepResult;
+pub use history::FinishedRequest;
 pub use instance::InstanceSpec;
 pub use load_control::{request_load, LoadControl};
 pub use predictor::{MeanRatePredictor, RequestView, StepPredictor, StepsLeft};
@@ -49,6 +66,7 @@ pub use threshold::{choose_threshold, StepPrices};
 use crate::profile::{LatencyProfile, StepKind};
 use instance::InstanceTable;
 use request_table::RequestTable;
+use reservation::Reservation;
 use round::RoundScratch;
 
 /// A request's state as seen from outside.
@@ -77,6 +95,8 @@ pub struct RequestInfo {
     pub last_tau: Option<f64>,
     /// Remaining-step predictions, one per candidate threshold.
     pub predictions: Vec<StepsLeft>,
+    /// Confidence features of the current block from the last report (see [`StepResult`]).
+    pub confidence: Option<[f64; 5]>,
 }
 
 /// An instance's state as seen from outside.
@@ -97,6 +117,12 @@ pub struct InstanceInfo {
     /// Measured / predicted step-time correction.
     pub factor: f64,
     pub steps_run: u64,
+    pub kv_tokens: Option<u64>,
+    pub max_requests: Option<u32>,
+    /// Batch-token budget of one step (its own, or the scheduler's).
+    pub max_batch_tokens: u64,
+    /// Request this instance is reserved for: it takes no other new request.
+    pub reserved_for: Option<u64>,
 }
 
 pub struct Scheduler {
@@ -109,6 +135,12 @@ pub struct Scheduler {
     groups: Vec<DegreeCosts>,
     scratch: RoundScratch,
     decisions: Decisions,
+    /// The instance held for a request no instance had room for.
+    reservation: Option<Reservation>,
+    /// Load control's verdict in the last round.
+    overloaded: bool,
+    /// Live requests never dispatched yet.
+    queued: u32,
 }
 
 impl Scheduler {
@@ -132,6 +164,9 @@ impl Scheduler {
             groups: Vec::new(),
             scratch: RoundScratch::default(),
             decisions: Decisions::default(),
+            reservation: None,
+            overloaded: false,
+            queued: 0,
         })
     }
 
@@ -146,6 +181,17 @@ impl Scheduler {
     /// Requests that arrived and have neither finished nor been cancelled.
     pub fn active_requests(&self) -> usize {
         self.requests.live()
+    }
+
+    /// Live requests that have not been dispatched yet.
+    pub fn queued_requests(&self) -> u32 {
+        self.queued
+    }
+
+    /// Whether the last round's load control found even the lowest thresholds of every
+    /// request beyond capacity.
+    pub fn overloaded(&self) -> bool {
+        self.overloaded
     }
 
     /// Ids of live instances in announcement order.
@@ -190,11 +236,13 @@ impl Scheduler {
             max_tau: taus[usize::from(self.requests.caps()[pos as usize])],
             last_tau: Some(self.requests.last_tau(pos)).filter(|t| !t.is_nan()),
             predictions: self.requests.steps_of(pos).to_vec(),
+            confidence: self.requests.confidence[r.handle as usize],
         })
     }
 
     pub fn instance(&self, id: u64) -> Result<InstanceInfo, SchedError> {
-        let inst = &self.instances.slots[self.instances.slot_of(id)? as usize];
+        let slot = self.instances.slot_of(id)?;
+        let inst = &self.instances.slots[slot as usize];
         Ok(InstanceInfo {
             id,
             tp: inst.tp,
@@ -212,6 +260,13 @@ impl Scheduler {
             resident_tokens: inst.resident_tokens,
             factor: inst.factor,
             steps_run: inst.steps_run,
+            kv_tokens: inst.kv_tokens,
+            max_requests: inst.max_requests,
+            max_batch_tokens: inst.budget,
+            reserved_for: self
+                .reservation
+                .filter(|v| v.slot == slot)
+                .map(|v| self.requests.req(self.requests.pos_of_handle(v.handle)).id),
         })
     }
 }

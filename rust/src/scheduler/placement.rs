@@ -1,19 +1,27 @@
 //! Instance choice (DESIGN §6, Alg. 3): per-round batch-token accounting and, per TP
-//! degree, a min-heap of idle instances keyed by batch tokens.
+//! degree, a [`ChoiceTree`] over the instances that take new requests.
 //!
-//! Step cost never decreases with batch tokens (see `cost`), so within one degree the idle
-//! instance with the fewest batch tokens is both the earliest to complete and the most
-//! likely to fit; a request compares only the heads of the degree heaps, O(degrees × log
-//! instances) instead of a scan over every instance. Ties break on (tokens, slot).
+//! *(ours)* Busy instances are candidates too: a request's key on an instance is when its
+//! step there would complete — `max(now, predicted end of the step in flight)` plus the
+//! predicted step time with the request added (profile × the instance's factor). A busy
+//! instance's next step is counted from [`Instance::base_tokens`] plus what this round
+//! queued for it. If the best instance is busy the request waits for it; its tokens still
+//! count there for the rest of the round. The least-loaded baseline keys an instance by its
+//! resident tokens plus the tokens assigned to it this round.
+//!
+//! A request that would become resident (arrival or migration) goes only where it fits the
+//! instance's resident capacity; every step fits its instance's batch budget. A reserved
+//! instance (see `reservation`) is closed to every free request but its reserver.
 
-use std::cmp::Reverse;
-use std::collections::BinaryHeap;
-
+use super::choice_tree::{beats, Best, ChoiceTree, Leaf, Query};
 use super::config::InstanceChoice;
 use super::cost::DegreeCosts;
 use super::instance::Instance;
 
-/// The instance a free request would go to, with its primary comparison key.
+/// Not in any tree (the instance is gone).
+const NO_LEAF: u32 = u32::MAX;
+
+/// The instance a free request would go to, with its comparison key.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct Candidate {
     pub slot: u32,
@@ -22,30 +30,55 @@ pub(crate) struct Candidate {
 
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Placement {
-    /// Per degree group: (batch tokens, instance slot) of accepting instances; entries whose
-    /// tokens no longer match `tokens` are stale and dropped when they surface.
-    heaps: Vec<BinaryHeap<Reverse<(u64, u32)>>>,
-    /// Batch tokens assigned this round, per instance slot.
+    trees: Vec<ChoiceTree>,
+    /// Per instance slot: its leaf in its degree's tree.
+    leaf_of: Vec<u32>,
+    /// Batch tokens assigned this round per instance slot: dispatched on an idle instance,
+    /// or waiting for a busy one's next step.
     pub tokens: Vec<u64>,
-    /// The full-sequence part of `tokens`.
+    /// The full-sequence part of `tokens` on idle instances.
     pub full_tokens: Vec<u64>,
+    /// Per busy instance: requests queued for it this round that are not resident there,
+    /// and their sequence tokens; they count against its resident room.
+    queued: Vec<(u32, u64)>,
     /// Alive and not running a step: may run one this round.
     pub open: Vec<bool>,
     /// Open instances that take new requests (not draining).
     pub accepting: usize,
     /// Alive instances that are not draining, busy or not.
     pub targets: usize,
-    max_tokens: u64,
+    /// Slot closed to every free request but its reserver.
+    reserved: Option<u32>,
+    /// Room only shrinks during a round, except when a request leaves an instance or a
+    /// reservation ends: a search that found nothing for `(n, seq)` finds nothing for
+    /// larger requests until then, so those fail without searching.
+    no_fit: Option<(u64, u64)>,
+    /// Likewise, sequence tokens from which no instance has resident room.
+    no_resident_room: u64,
+    now: f64,
+    choice: Option<InstanceChoice>,
 }
 
 impl Placement {
-    pub fn begin(&mut self, instances: &[Instance], groups: usize, max_tokens: u64) {
+    pub fn begin(
+        &mut self,
+        instances: &[Instance],
+        groups: usize,
+        now: f64,
+        choice: InstanceChoice,
+        reserved: Option<u32>,
+    ) {
         let n = instances.len();
-        self.max_tokens = max_tokens;
+        self.now = now;
+        self.choice = Some(choice);
+        self.reserved = reserved;
+        self.freed();
         self.tokens.clear();
         self.tokens.resize(n, 0);
         self.full_tokens.clear();
         self.full_tokens.resize(n, 0);
+        self.queued.clear();
+        self.queued.resize(n, (0, 0));
         self.open.clear();
         self.open
             .extend(instances.iter().map(|inst| inst.alive && !inst.busy));
@@ -58,174 +91,248 @@ impl Placement {
             .zip(&self.open)
             .filter(|(inst, &open)| open && !inst.draining)
             .count();
-        self.heaps.resize_with(groups, BinaryHeap::new);
-        for heap in &mut self.heaps {
-            heap.clear();
+        self.trees.resize_with(groups, ChoiceTree::default);
+        for tree in &mut self.trees {
+            tree.clear();
         }
+        self.leaf_of.clear();
+        self.leaf_of.resize(n, NO_LEAF);
     }
 
-    /// Whether instance `slot` can run a step this round with `n` more batch tokens.
-    pub fn fits(&self, slot: u32, n: u64) -> bool {
-        self.open[slot as usize] && self.tokens[slot as usize] + n <= self.max_tokens
+    /// Batch tokens instance `slot`'s next step holds so far.
+    fn step_tokens(&self, slot: u32, inst: &Instance) -> u64 {
+        inst.base_tokens() + self.tokens[slot as usize]
     }
 
-    /// Assigns `n` tokens to `slot` before the heaps exist (requests that must stay).
-    pub fn add_fixed(&mut self, slot: u32, n: u64, full: bool) {
+    /// Whether instance `slot`'s next step has room for `n` more batch tokens.
+    pub fn fits(&self, slot: u32, inst: &Instance, n: u64) -> bool {
+        self.step_tokens(slot, inst) + n <= inst.budget
+    }
+
+    /// Assigns the `n`-token step of a request resident on `slot` that must stay there;
+    /// trees are not built yet.
+    pub fn add_fixed(&mut self, slot: u32, inst: &Instance, n: u64, full: bool) {
         self.tokens[slot as usize] += n;
-        if full {
+        if full && !inst.busy {
             self.full_tokens[slot as usize] += n;
         }
     }
 
-    /// Fills the heaps with accepting instances once fixed assignments are in.
-    pub fn build_heaps(&mut self, instances: &[Instance]) {
+    /// Fills the trees once fixed assignments are in.
+    pub fn build(&mut self, instances: &[Instance]) {
         for (slot, inst) in instances.iter().enumerate() {
-            if self.open[slot] && !inst.draining {
-                self.heaps[inst.group].push(Reverse((self.tokens[slot], slot as u32)));
+            if inst.alive {
+                self.leaf_of[slot] = self.trees[inst.group].push(slot as u32);
             }
         }
+        let mut trees = std::mem::take(&mut self.trees);
+        for tree in &mut trees {
+            tree.build(|slot| self.leaf(slot, &instances[slot as usize]));
+        }
+        self.trees = trees;
     }
 
-    /// Primary key of putting `n` tokens on `slot`: predicted step seconds, or batch tokens.
-    pub fn key(&self, slot: u32, n: u64, costs: &DegreeCosts, choice: InstanceChoice) -> f64 {
-        let tokens = self.tokens[slot as usize];
-        match choice {
-            InstanceChoice::EarliestCompletion => costs.full((tokens + n) as f64),
-            InstanceChoice::LeastLoaded => tokens as f64,
+    /// When instance `slot` could start its next step.
+    fn start(&self, inst: &Instance) -> f64 {
+        if inst.busy {
+            self.now.max(inst.predicted_finish())
+        } else {
+            self.now
         }
     }
 
-    /// Best accepting instance for a full-sequence step of `n` tokens, if any fits.
-    pub fn best(
-        &mut self,
+    /// The tree entry of instance `slot` as a destination for new requests.
+    fn leaf(&self, slot: u32, inst: &Instance) -> Leaf {
+        if self.reserved == Some(slot) {
+            return Leaf::CLOSED;
+        }
+        self.open_leaf(slot, inst)
+    }
+
+    /// [`Self::leaf`] ignoring a reservation.
+    fn open_leaf(&self, slot: u32, inst: &Instance) -> Leaf {
+        if !inst.alive || inst.draining {
+            return Leaf::CLOSED;
+        }
+        let round = self.tokens[slot as usize];
+        let tokens = inst.base_tokens() + round;
+        let (queued_reqs, queued_seq) = self.queued[slot as usize];
+        let (start, factor) = match self.choice {
+            Some(InstanceChoice::LeastLoaded) => ((inst.resident_tokens + round) as f64, 0.0),
+            _ => (self.start(inst), inst.factor),
+        };
+        let room = |cap: Option<u64>, used: u64| {
+            cap.map_or(i64::MAX, |c| {
+                c.saturating_sub(used).min(i64::MAX as u64) as i64
+            })
+        };
+        Leaf {
+            start,
+            factor,
+            tokens,
+            batch_room: room(Some(inst.budget), tokens),
+            kv_room: room(inst.kv_tokens, inst.resident_tokens + queued_seq),
+            req_room: room(
+                inst.max_requests.map(u64::from),
+                u64::from(inst.residents) + u64::from(queued_reqs),
+            ),
+        }
+    }
+
+    /// Forgets failed searches: some instance may have more room now.
+    fn freed(&mut self) {
+        self.no_fit = None;
+        self.no_resident_room = u64::MAX;
+    }
+
+    /// Recomputes the entry of instance `slot`, which a request left.
+    pub fn left(&mut self, slot: u32, inst: &Instance) {
+        self.freed();
+        self.refresh(slot, inst);
+    }
+
+    /// Recomputes instance `slot`'s entry after its tokens or residents changed.
+    pub fn refresh(&mut self, slot: u32, inst: &Instance) {
+        let index = self.leaf_of[slot as usize];
+        if index != NO_LEAF {
+            let leaf = self.leaf(slot, inst);
+            self.trees[inst.group].set(index, leaf);
+        }
+    }
+
+    fn query(&self, n: u64, seq: u64) -> Query {
+        Query {
+            n,
+            seq,
+            timed: self.choice != Some(InstanceChoice::LeastLoaded),
+        }
+    }
+
+    /// Best instance for a new resident of `seq` tokens with an `n`-token step, if any fits.
+    pub fn best(&mut self, n: u64, seq: u64, groups: &[DegreeCosts]) -> Option<Candidate> {
+        if self.no_fit.is_some_and(|(fn_, fs)| n >= fn_ && seq >= fs) {
+            return None;
+        }
+        let q = self.query(n, seq);
+        let mut best: Best = None;
+        for (tree, costs) in self.trees.iter().zip(groups) {
+            tree.search(&q, costs, &mut best);
+        }
+        if best.is_none() && self.no_fit.is_none_or(|(fn_, fs)| n <= fn_ && seq <= fs) {
+            self.no_fit = Some((n, seq));
+        }
+        best.map(|(key, slot)| Candidate { slot, key })
+    }
+
+    /// Key of the reserved instance `slot` for its reserver, if the request fits there.
+    pub fn reserved_key(
+        &self,
+        slot: u32,
+        inst: &Instance,
         n: u64,
-        groups: &[DegreeCosts],
-        choice: InstanceChoice,
-    ) -> Option<Candidate> {
-        let mut best: Option<(f64, u64, u32)> = None;
-        for (group, costs) in groups.iter().enumerate() {
-            let heap = &mut self.heaps[group];
-            while let Some(&Reverse((tokens, slot))) = heap.peek() {
-                if tokens == self.tokens[slot as usize] {
-                    break;
-                }
-                heap.pop();
-            }
-            let Some(&Reverse((tokens, slot))) = self.heaps[group].peek() else {
-                continue;
-            };
-            if tokens + n > self.max_tokens {
-                continue;
-            }
-            let key = self.key(slot, n, costs, choice);
-            let better = match best {
-                None => true,
-                Some((k, t, s)) => key < k || (key == k && (tokens, slot) < (t, s)),
-            };
-            if better {
-                best = Some((key, tokens, slot));
-            }
-        }
-        best.map(|(key, _, slot)| Candidate { slot, key })
+        seq: u64,
+        costs: &DegreeCosts,
+    ) -> Option<f64> {
+        let leaf = self.open_leaf(slot, inst);
+        let fits = leaf.batch_room >= n as i64 && leaf.kv_room >= seq as i64 && leaf.req_room >= 1;
+        fits.then(|| self.key_of(&leaf, n, costs))
     }
 
-    /// Assigns `n` full-sequence tokens to accepting instance `slot` and re-keys its heap.
-    pub fn add_free(&mut self, slot: u32, group: usize, n: u64) {
-        let old = self.tokens[slot as usize];
-        self.tokens[slot as usize] = old + n;
-        self.full_tokens[slot as usize] += n;
-        let heap = &mut self.heaps[group];
-        if let Some(mut top) = heap.peek_mut() {
-            if top.0 == (old, slot) {
-                *top = Reverse((old + n, slot));
-                return;
-            }
+    fn key_of(&self, leaf: &Leaf, n: u64, costs: &DegreeCosts) -> f64 {
+        match self.choice {
+            Some(InstanceChoice::LeastLoaded) => leaf.start,
+            _ => leaf.start + leaf.factor * costs.full((leaf.tokens + n) as f64),
         }
-        heap.push(Reverse((old + n, slot)));
     }
-}
 
-#[cfg(test)]
-mod tests {
-    use proptest::prelude::*;
-
-    use super::*;
-    use crate::scheduler::instance::{InstanceSpec, InstanceTable};
-    use crate::scheduler::tests::profile;
-
-    proptest! {
-        /// The heap choice equals a scan for the minimum (key, tokens, slot) over every
-        /// accepting instance that fits, after any sequence of assignments.
-        #[test]
-        fn heap_choice_matches_a_scan(
-            tps in prop::collection::vec(prop::sample::select(vec![1u32, 2, 4]), 1..12),
-            busy in prop::collection::vec(any::<bool>(), 12),
-            draining in prop::collection::vec(prop::bool::weighted(0.2), 12),
-            fixed in prop::collection::vec(0u64..3000, 12),
-            requests in prop::collection::vec(1u64..1500, 1..60),
-            least_loaded in any::<bool>(),
-        ) {
-            let choice = if least_loaded {
-                InstanceChoice::LeastLoaded
-            } else {
-                InstanceChoice::EarliestCompletion
-            };
-            let profile = profile();
-            let mut groups: Vec<DegreeCosts> = Vec::new();
-            let mut table = InstanceTable::default();
-            for (i, &tp) in tps.iter().enumerate() {
-                let group = match groups.iter().position(|g| g.tp == tp) {
-                    Some(g) => g,
-                    None => {
-                        groups.push(DegreeCosts::new(&profile, tp, true, 4096).unwrap());
-                        groups.len() - 1
-                    }
-                };
-                let slot = table.insert(
-                    InstanceSpec { id: i as u64, tp, gpus: (0..tp).collect(), node: i as u32 },
-                    group,
-                );
-                table.slots[slot as usize].busy = busy[i];
-                table.slots[slot as usize].draining = draining[i];
-            }
-            let mut p = Placement::default();
-            p.begin(&table.slots, groups.len(), 4096);
-            for (i, &n) in fixed.iter().enumerate().take(tps.len()) {
-                if p.fits(i as u32, n) {
-                    p.add_fixed(i as u32, n, false);
-                }
-            }
-            p.build_heaps(&table.slots);
-            for (j, &n) in requests.iter().enumerate() {
-                let mut expected: Option<(f64, u64, u32)> = None;
-                for (slot, inst) in table.slots.iter().enumerate() {
-                    let slot = slot as u32;
-                    if inst.draining || !p.fits(slot, n) {
-                        continue;
-                    }
-                    let key = p.key(slot, n, &groups[inst.group], choice);
-                    let cand = (key, p.tokens[slot as usize], slot);
-                    if expected.is_none_or(|e| {
-                        cand.0 < e.0 || (cand.0 == e.0 && (cand.1, cand.2) < (e.1, e.2))
-                    }) {
-                        expected = Some(cand);
-                    }
-                }
-                let got = p.best(n, &groups, choice);
-                prop_assert_eq!(got.map(|c| c.slot), expected.map(|e| e.2));
-                // Alternate between taking the best and loading some other open instance,
-                // as a request that stays home does.
-                if let Some(c) = got {
-                    let target = if j % 3 == 2 {
-                        (0..tps.len() as u32)
-                            .find(|&s| !table.slots[s as usize].draining && p.fits(s, n))
-                            .unwrap_or(c.slot)
-                    } else {
-                        c.slot
-                    };
-                    p.add_free(target, table.slots[target as usize].group, n);
-                }
-            }
+    /// Key of a request of `seq` tokens staying on its home `slot`, if it may: the home
+    /// takes no new residents, so only batch room counts, and under least-loaded choice
+    /// the request's own tokens are not held against it.
+    pub fn home_key(
+        &self,
+        slot: u32,
+        inst: &Instance,
+        n: u64,
+        seq: u64,
+        costs: &DegreeCosts,
+    ) -> Option<f64> {
+        if inst.draining || !self.fits(slot, inst, n) {
+            return None;
         }
+        let round = self.tokens[slot as usize];
+        Some(match self.choice {
+            Some(InstanceChoice::LeastLoaded) => {
+                (inst.resident_tokens.saturating_sub(seq) + round) as f64
+            }
+            _ => {
+                self.start(inst) + inst.factor * costs.full((inst.base_tokens() + round + n) as f64)
+            }
+        })
+    }
+
+    /// Whether `best` improves on by putting the request on `slot` with `key`.
+    pub fn better(key: f64, slot: u32, best: Option<Candidate>) -> bool {
+        beats(key, slot, best.map(|c| (c.key, c.slot)))
+    }
+
+    /// Assigns a free request's `n`-token full-sequence step to `slot`. `new_resident`: it
+    /// is not resident there; for a busy `slot` (queued) that holds resident room.
+    pub fn add_free(&mut self, slot: u32, inst: &Instance, n: u64, new_resident: Option<u64>) {
+        let s = slot as usize;
+        self.tokens[s] += n;
+        if inst.busy {
+            if let Some(seq) = new_resident {
+                self.queued[s].0 += 1;
+                self.queued[s].1 += seq;
+            }
+        } else {
+            self.full_tokens[s] += n;
+        }
+        self.refresh(slot, inst);
+    }
+
+    /// Closes `slot` to every free request but its reserver.
+    pub fn reserve(&mut self, slot: u32, inst: &Instance) {
+        self.reserved = Some(slot);
+        self.refresh(slot, inst);
+    }
+
+    /// The slot closed by a reservation, if any.
+    pub fn reserved(&self) -> Option<u32> {
+        self.reserved
+    }
+
+    /// Opens the reserved `slot` again (its reserver was dispatched).
+    pub fn release(&mut self, slot: u32, inst: &Instance) {
+        self.reserved = None;
+        self.left(slot, inst);
+    }
+
+    /// Whether some instance open to new requests has resident room for `seq` tokens.
+    pub fn any_resident_room(&mut self, seq: u64) -> bool {
+        if seq >= self.no_resident_room {
+            return false;
+        }
+        let any = self.trees.iter().any(|t| t.any_resident_room(seq));
+        if !any {
+            self.no_resident_room = seq;
+        }
+        any
+    }
+
+    /// Resident room left on `slot` for `seq` tokens, counting requests queued for it.
+    pub fn resident_room(&self, slot: u32, inst: &Instance, seq: u64) -> bool {
+        let (reqs, toks) = self.queued[slot as usize];
+        inst.alive && !inst.draining && inst.has_resident_room(reqs + 1, toks + seq)
+    }
+
+    /// When instance `slot`'s next step would end with what this round gave it (the
+    /// earliest its batch room frees).
+    pub fn next_end(&self, slot: u32, inst: &Instance, costs: &DegreeCosts) -> f64 {
+        let tokens = self.step_tokens(slot, inst);
+        if tokens == 0 {
+            return self.start(inst);
+        }
+        self.start(inst) + inst.factor * costs.full(tokens as f64)
     }
 }

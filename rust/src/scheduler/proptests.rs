@@ -1,5 +1,6 @@
 //! Property tests over random event traces: every round's decisions must respect the
-//! scheduler's invariants whatever the policy, budget and event order.
+//! scheduler's invariants whatever the policy, budgets, instance capacities and event
+//! order.
 
 use std::collections::{HashMap, HashSet};
 
@@ -25,10 +26,28 @@ enum Op {
         eos: bool,
     },
     Cancel(usize),
-    AddInstance(u32),
+    /// Arrive with the id of the n-th cancelled request (mod their count).
+    Reuse(usize),
+    AddInstance(u32, Capacity),
     Drain(usize),
+    Undrain(usize),
     Remove(usize),
+    /// Abort the step of the n-th running batch.
+    Abort(usize),
     Schedule,
+}
+
+/// Optional KV tokens, request slots and batch budget of a new instance.
+#[derive(Clone, Copy, Debug)]
+struct Capacity(Option<u64>, Option<u32>, Option<u64>);
+
+fn capacity() -> impl Strategy<Value = Capacity> {
+    (
+        prop::option::weighted(0.4, prop::sample::select(vec![400u64, 900, 3000])),
+        prop::option::weighted(0.3, 1u32..6),
+        prop::option::weighted(0.3, prop::sample::select(vec![300u64, 800, 1500])),
+    )
+        .prop_map(|(kv, reqs, batch)| Capacity(kv, reqs, batch))
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -41,9 +60,13 @@ fn op() -> impl Strategy<Value = Op> {
         6 => (any::<usize>(), 1u32..40, prop::bool::weighted(0.03))
             .prop_map(|(pick, commit, eos)| Op::Finish { pick, commit, eos }),
         1 => any::<usize>().prop_map(Op::Cancel),
-        1 => prop::sample::select(vec![1u32, 2, 4]).prop_map(Op::AddInstance),
+        1 => any::<usize>().prop_map(Op::Reuse),
+        1 => (prop::sample::select(vec![1u32, 2, 4]), capacity())
+            .prop_map(|(tp, cap)| Op::AddInstance(tp, cap)),
         1 => any::<usize>().prop_map(Op::Drain),
+        1 => any::<usize>().prop_map(Op::Undrain),
         1 => any::<usize>().prop_map(Op::Remove),
+        1 => any::<usize>().prop_map(Op::Abort),
         6 => Just(Op::Schedule),
     ]
 }
@@ -73,9 +96,9 @@ struct Before {
 struct Harness {
     s: Scheduler,
     policy: Policy,
-    max_tokens: u64,
     caching: bool,
     ids: Vec<u64>,
+    cancelled: Vec<u64>,
     next_id: u64,
     next_instance: u64,
     running: Vec<(u64, Vec<u64>)>,
@@ -109,18 +132,12 @@ impl Harness {
             } => {
                 let id = self.next_id;
                 self.next_id += 1;
-                let taus = &self.s.config().thresholds;
-                let chosen: Vec<f64> = taus
-                    .iter()
-                    .enumerate()
-                    .filter(|(k, _)| subset & (1 << k) != 0)
-                    .map(|(_, &t)| t)
-                    .collect();
-                let mut spec = RequestSpec::new(id, self.now, self.now + slack, prompt, output);
-                spec.priority = priority;
-                spec.thresholds = (!chosen.is_empty()).then_some(chosen);
-                if self.s.arrive(spec).is_ok() {
-                    self.ids.push(id);
+                self.arrive(id, prompt, output, slack, priority, subset);
+            }
+            Op::Reuse(pick) => {
+                if !self.cancelled.is_empty() {
+                    let id = self.cancelled.remove(pick % self.cancelled.len());
+                    self.arrive(id, 30, 40, 2.0, 0, 0);
                 }
             }
             Op::Finish { pick, commit, eos } => {
@@ -142,7 +159,17 @@ impl Harness {
                     .s
                     .step_done(inst, 0.02, &results)
                     .map_err(|e| TestCaseError::fail(format!("valid report rejected: {e}")))?;
-                let finished: HashSet<u64> = finished.iter().copied().collect();
+                for f in finished {
+                    prop_assert_eq!(f.taus.len(), f.steps as usize);
+                    prop_assert!(f.recompute_steps <= f.steps);
+                    prop_assert_eq!(
+                        f.instances.len(),
+                        f.migrations as usize + 1,
+                        "every change of instance is a reported migration"
+                    );
+                    prop_assert!(f.instances.windows(2).all(|w| w[0] != w[1]));
+                }
+                let finished: HashSet<u64> = finished.iter().map(|f| f.id).collect();
                 self.ids.retain(|id| !finished.contains(id));
             }
             Op::Cancel(pick) => {
@@ -151,49 +178,98 @@ impl Harness {
                     self.s
                         .cancel(id)
                         .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                    self.cancelled.push(id);
                 }
             }
-            Op::AddInstance(tp) => {
+            Op::AddInstance(tp, Capacity(kv, reqs, batch)) => {
                 let id = self.next_instance;
                 self.next_instance += 1;
+                let spec = InstanceSpec {
+                    kv_tokens: kv,
+                    max_requests: reqs,
+                    max_batch_tokens: batch,
+                    ..instance(id, tp)
+                };
                 self.s
-                    .add_instance(instance(id, tp))
+                    .add_instance(spec)
                     .map_err(|e| TestCaseError::fail(e.to_string()))?;
             }
-            Op::Drain(pick) | Op::Remove(pick) => {
+            Op::Drain(pick) | Op::Undrain(pick) | Op::Remove(pick) => {
                 let live = self.s.instance_ids();
                 if live.len() <= 1 {
                     return Ok(());
                 }
                 let id = live[pick % live.len()];
-                if let Op::Drain(_) = op {
-                    self.s
-                        .drain_instance(id)
-                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
-                } else {
-                    self.s
-                        .remove_instance(id)
-                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
-                    self.running.retain(|(inst, _)| *inst != id);
+                let done = match op {
+                    Op::Drain(_) => self.s.drain_instance(id),
+                    Op::Undrain(_) => self.s.undrain_instance(id),
+                    _ => {
+                        self.running.retain(|(inst, _)| *inst != id);
+                        self.s.remove_instance(id)
+                    }
+                };
+                done.map_err(|e| TestCaseError::fail(e.to_string()))?;
+            }
+            Op::Abort(pick) => {
+                if self.running.is_empty() {
+                    return Ok(());
                 }
+                let (inst, members) = self.running.remove(pick % self.running.len());
+                let aborted = self
+                    .s
+                    .abort_step(inst)
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?
+                    .to_vec();
+                for id in aborted {
+                    prop_assert!(members.contains(&id));
+                    let info = self.s.request(id).unwrap();
+                    prop_assert!(!info.in_flight && info.instance.is_none());
+                }
+                let inst = self.s.instance(inst).unwrap();
+                prop_assert!(inst.batch.is_empty() && inst.predicted_finish.is_none());
             }
             Op::Schedule => self.round()?,
         }
         Ok(())
     }
 
+    fn arrive(
+        &mut self,
+        id: u64,
+        prompt: u32,
+        output: u32,
+        slack: f64,
+        priority: i32,
+        subset: u32,
+    ) {
+        let taus = &self.s.config().thresholds;
+        let chosen: Vec<f64> = taus
+            .iter()
+            .enumerate()
+            .filter(|(k, _)| subset & (1 << k) != 0)
+            .map(|(_, &t)| t)
+            .collect();
+        let mut spec = RequestSpec::new(id, self.now, self.now + slack, prompt, output);
+        spec.priority = priority;
+        spec.thresholds = (!chosen.is_empty()).then_some(chosen);
+        if self.s.arrive(spec).is_ok() {
+            self.ids.push(id);
+        }
+    }
+
     fn round(&mut self) -> Result<(), TestCaseError> {
         let before = self.snapshot();
-        let idle: HashSet<u64> = self
+        let instances: HashMap<u64, InstanceInfo> = self
             .s
             .instance_ids()
             .into_iter()
-            .filter(|&id| {
-                self.s
-                    .instance(id)
-                    .map(|i| i.predicted_finish.is_none())
-                    .unwrap_or(false)
-            })
+            .filter_map(|id| self.s.instance(id).ok())
+            .map(|i| (i.id, i))
+            .collect();
+        let idle: HashSet<u64> = instances
+            .values()
+            .filter(|i| i.predicted_finish.is_none())
+            .map(|i| i.id)
             .collect();
         self.now += 0.01;
         let d = self
@@ -213,9 +289,10 @@ impl Harness {
                 idle.contains(&batch.instance),
                 "batch on a busy or dead instance"
             );
+            let inst = &instances[&batch.instance];
             prop_assert!(
-                batch.tokens <= self.max_tokens,
-                "batch over the token budget"
+                batch.tokens <= inst.max_batch_tokens,
+                "batch over the instance's token budget"
             );
             let mut tokens = 0;
             for e in d.entries_of(batch) {
@@ -235,6 +312,22 @@ impl Harness {
                     prop_assert_eq!(b.info.instance, Some(batch.instance));
                 }
                 prop_assert_eq!(e.new_here, b.info.instance != Some(batch.instance));
+                if let Some(reserver) = inst.reserved_for {
+                    // Until its reserver is dispatched (which ends the reservation), a
+                    // reserved instance takes no other new request.
+                    let entries = d.entries_of(batch);
+                    let here = entries.iter().position(|x| x.request == reserver);
+                    let this = entries.iter().position(|x| x.request == e.request);
+                    let before_it = here.zip(this).is_some_and(|(h, t)| h <= t);
+                    let elsewhere =
+                        here.is_none() && d.entries.iter().any(|x| x.request == reserver);
+                    prop_assert!(
+                        !e.new_here || elsewhere || before_it,
+                        "instance reserved for {} took new request {}",
+                        reserver,
+                        e.request
+                    );
+                }
                 match self.policy.threshold {
                     ThresholdPolicy::Fixed(tau) => prop_assert_eq!(e.tau, tau),
                     ThresholdPolicy::SloAware => {
@@ -264,7 +357,9 @@ impl Harness {
                 prop_assert!(
                     matches!(
                         m.reason,
-                        MigrationReason::Draining | MigrationReason::InstanceRemoved
+                        MigrationReason::Draining
+                            | MigrationReason::InstanceRemoved
+                            | MigrationReason::StepAborted
                     ),
                     "migration {:?} with migration off",
                     m.reason
@@ -285,6 +380,17 @@ impl Harness {
             ready,
             "every ready request is dispatched or waits"
         );
+        for id in self.s.instance_ids() {
+            let i = self.s.instance(id).unwrap();
+            prop_assert!(
+                i.kv_tokens.is_none_or(|kv| i.resident_tokens <= kv),
+                "instance {} holds {} tokens over its KV capacity {:?}",
+                id,
+                i.resident_tokens,
+                i.kv_tokens
+            );
+            prop_assert!(i.max_requests.is_none_or(|m| i.residents <= m));
+        }
         Ok(())
     }
 }
@@ -297,7 +403,7 @@ proptest! {
         policy in policy(),
         caching in any::<bool>(),
         max_tokens in prop::sample::select(vec![700u64, 2000, 8192]),
-        tps in prop::collection::vec(prop::sample::select(vec![1u32, 2, 4]), 1..5),
+        tps in prop::collection::vec((prop::sample::select(vec![1u32, 2, 4]), capacity()), 1..5),
         ops in prop::collection::vec(op(), 1..120),
     ) {
         let config = SchedulerConfig {
@@ -309,16 +415,16 @@ proptest! {
         let mut h = Harness {
             s: Scheduler::new(profile(), config).unwrap(),
             policy,
-            max_tokens,
             caching,
             ids: Vec::new(),
+            cancelled: Vec::new(),
             next_id: 0,
             next_instance: 0,
             running: Vec::new(),
             now: 0.0,
         };
-        for tp in tps {
-            h.apply(&Op::AddInstance(tp))?;
+        for (tp, cap) in tps {
+            h.apply(&Op::AddInstance(tp, cap))?;
         }
         for op in &ops {
             h.apply(op)?;

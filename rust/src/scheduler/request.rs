@@ -3,6 +3,7 @@
 use std::cmp::Ordering;
 
 use super::config::{LoadOrder, SchedulerConfig};
+use super::decisions::MigrationReason;
 use super::error::SchedError;
 use super::predictor::RequestView;
 use crate::profile::StepKind;
@@ -62,8 +63,12 @@ pub(crate) struct Request {
     pub next_kind: StepKind,
     /// Instance slot holding this request's state (and its KV cache, if any).
     pub home: Option<u32>,
-    /// Id of a removed instance this request was displaced from, until it is dispatched.
-    pub displaced_from: Option<u64>,
+    /// Instance this request was displaced from (removed, or its step there aborted) and
+    /// why, until it is dispatched.
+    pub displaced_from: Option<(u64, MigrationReason)>,
+    /// Instance id of the last dispatch (`None` before the first), kept here so that a
+    /// dispatch to the same instance does not touch the request's history.
+    pub last_instance: Option<u64>,
     pub in_flight: bool,
     pub alive: bool,
 }
@@ -79,6 +84,16 @@ impl Request {
         match self.next_kind {
             StepKind::Cache => u64::from(self.block_size),
             StepKind::Recompute | StepKind::NoCache => self.seq_tokens(),
+        }
+    }
+
+    /// *(ours)* Tokens this request is expected to feed the step after the one in flight:
+    /// with caching most steps are cache steps over the block.
+    pub fn next_step_estimate(&self, caching: bool) -> u64 {
+        if caching {
+            u64::from(self.block_size)
+        } else {
+            self.seq_tokens()
         }
     }
 
@@ -163,6 +178,7 @@ impl Request {
             next_kind,
             home: None,
             displaced_from: None,
+            last_instance: None,
             in_flight: false,
             alive: true,
         };

@@ -6,6 +6,7 @@ use std::collections::HashMap;
 
 use super::config::{LoadOrder, SchedulerConfig};
 use super::error::SchedError;
+use super::history::History;
 use super::load_control::request_load;
 use super::predictor::StepsLeft;
 use super::request::Request;
@@ -39,6 +40,8 @@ pub(crate) struct RequestTable {
     pos_of: Vec<u32>,
     /// Last reported confidence statistics, by handle (predictor input only).
     pub confidence: Vec<Option<[f64; 5]>>,
+    /// Life record, by handle.
+    pub history: Vec<History>,
     free_handles: Vec<u32>,
     index: HashMap<u64, u32>,
     dead: usize,
@@ -79,7 +82,6 @@ impl RequestTable {
         self.cols.reqs.len()
     }
 
-    #[cfg(test)]
     pub fn reqs(&self) -> &[Request] {
         &self.cols.reqs
     }
@@ -191,11 +193,13 @@ impl RequestTable {
             None => {
                 self.pos_of.push(NO_POS);
                 self.confidence.push(None);
+                self.history.push(History::default());
                 (self.pos_of.len() - 1) as u32
             }
         };
         request.handle = handle;
         self.confidence[handle as usize] = None;
+        self.history[handle as usize].reset();
         if let Some(last) = self.cols.reqs.last() {
             self.unsorted |= request.key_cmp(last, self.order) == Ordering::Less;
         }

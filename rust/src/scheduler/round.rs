@@ -1,20 +1,22 @@
 //! One scheduling round: load control over every active request, then instance choice for
-//! the ready ones (those that must stay first, then those free to move), then the threshold
-//! of each dispatched step given its instance's resulting load.
+//! the ready ones (those that must stay first, then those free to move, in load order),
+//! then the threshold of each dispatched step given its instance's resulting load.
 
 use std::time::Instant;
 
 use super::config::ThresholdPolicy;
-use super::cost::DegreeCosts;
+use super::cost::{DegreeCosts, Limits};
 use super::decisions::{
     Batch, BatchEntry, Decisions, Migration, MigrationReason, WaitReason, Waiting,
 };
 use super::error::SchedError;
+use super::history::FinishedRequest;
 use super::instance::Instance;
 use super::load_control::LoadControl;
-use super::placement::Placement;
+use super::placement::{Candidate, Placement};
 use super::predictor::{RequestView, StepsLeft};
 use super::request::Request;
+use super::reservation::{self, Reservation};
 use super::threshold::{capped, choose_threshold, StepPrices};
 use super::Scheduler;
 use crate::profile::StepKind;
@@ -37,11 +39,13 @@ pub(crate) struct RoundScratch {
     entry_handles: Vec<u32>,
     /// Instance slot of each emitted batch.
     batch_slots: Vec<u32>,
+    pub reservation: reservation::Scratch,
     pub pending: Vec<u32>,
     pub views: Vec<RequestView>,
     pub predicted: Vec<StepsLeft>,
     pub reported: Vec<(u32, usize)>,
-    pub finished: Vec<u64>,
+    pub finished: Vec<FinishedRequest>,
+    pub aborted: Vec<u64>,
 }
 
 /// One dispatched step, with what emission needs copied while the request is in cache.
@@ -54,10 +58,14 @@ struct Assignment {
     kind: StepKind,
     request: u64,
     slo_left: f64,
+    tokens: u64,
+    block: u32,
+    unmasked_in_block: u32,
+    next_estimate: u64,
 }
 
 impl Assignment {
-    fn new(inst: u32, pos: u32, r: &Request, new_here: bool, now: f64) -> Self {
+    fn new(inst: u32, pos: u32, r: &Request, new_here: bool, now: f64, caching: bool) -> Self {
         Self {
             inst,
             pos,
@@ -66,6 +74,10 @@ impl Assignment {
             kind: r.next_kind,
             request: r.id,
             slo_left: r.deadline - now,
+            tokens: r.step_tokens(),
+            block: r.current_block,
+            unmasked_in_block: r.unmasked_in_block,
+            next_estimate: r.next_step_estimate(caching),
         }
     }
 }
@@ -88,11 +100,13 @@ impl Scheduler {
         }
         self.requests.normalize();
         self.decisions.clear(now);
+        self.overloaded = false;
         if matches!(self.config.policy.threshold, ThresholdPolicy::SloAware)
             && self.config.policy.load_control
         {
-            self.control_load();
+            self.overloaded = self.control_load();
         }
+        self.decisions.overloaded = self.overloaded;
         self.place(now);
         self.emit_batches(now);
         self.decisions.elapsed_s = start.elapsed().as_secs_f64();
@@ -100,10 +114,11 @@ impl Scheduler {
     }
 
     /// DESIGN §5: caps every active request's thresholds so worst-case load fits capacity.
-    fn control_load(&mut self) {
+    /// Returns whether even the lowest thresholds exceed it (overload).
+    fn control_load(&mut self) -> bool {
         let live = self.requests.live();
         if live == 0 {
-            return;
+            return false;
         }
         // Dead positions hold zeros, so these sums are over live requests, in load order.
         let (mut seq_sum, mut slo_sum) = (0.0, 0.0);
@@ -119,12 +134,22 @@ impl Scheduler {
         throughput.extend(
             self.groups
                 .iter()
-                .map(|g| g.throughput(mean_seq, block, max_tokens)),
+                .map(|g| g.throughput(mean_seq, block, Limits::budget(max_tokens))),
         );
         let mut capacity = 0.0;
         for inst in &self.instances.slots {
             if inst.alive && !inst.draining {
-                capacity += throughput[inst.group] * window;
+                let rate = if inst.limited(max_tokens) {
+                    let limits = Limits {
+                        budget: inst.budget,
+                        kv_tokens: inst.kv_tokens,
+                        max_requests: inst.max_requests,
+                    };
+                    self.groups[inst.group].throughput(mean_seq, block, limits)
+                } else {
+                    throughput[inst.group]
+                };
+                capacity += rate * window;
             }
         }
         let k = self.config.thresholds.len();
@@ -136,10 +161,11 @@ impl Scheduler {
             |i| allowed[i],
             |i, t| loads[i * k + t],
             |i, t| caps[i] = t as u8,
-        );
+        )
     }
 
-    /// DESIGN §6: puts every ready request in an instance's next batch or records why it waits.
+    /// DESIGN §6: puts every ready request in an instance's next batch, or records why it
+    /// waits (and reserves an instance for a request that no instance has room for).
     fn place(&mut self, now: f64) {
         let Scheduler {
             config,
@@ -148,14 +174,24 @@ impl Scheduler {
             groups,
             scratch,
             decisions,
+            reservation,
+            queued,
             ..
         } = self;
+        let caching = config.caching;
         let placement: &mut Placement = &mut scratch.placement;
-        placement.begin(&instances.slots, groups.len(), config.max_batch_tokens);
+        let choice = config.policy.instance_choice;
+        placement.begin(
+            &instances.slots,
+            groups.len(),
+            now,
+            choice,
+            reservation.map(|r| r.slot),
+        );
         scratch.assigned.clear();
         scratch.free.clear();
         let placing = |r: &Request, instances: &[Instance]| match r.home {
-            Some(h) if config.caching && r.next_kind == StepKind::Cache => Placing::Stay(h),
+            Some(h) if caching && r.next_kind == StepKind::Cache => Placing::Stay(h),
             Some(h) if !config.policy.migration && !instances[h as usize].draining => {
                 Placing::Stay(h)
             }
@@ -170,115 +206,148 @@ impl Scheduler {
                 scratch.free.push(pos as u32);
                 continue;
             };
+            let inst = &instances.slots[home as usize];
             let n = r.step_tokens();
-            if placement.fits(home, n) {
-                placement.add_fixed(home, n, r.next_kind != StepKind::Cache);
-                r.in_flight = true;
-                scratch
-                    .assigned
-                    .push(Assignment::new(home, pos as u32, r, false, now));
-            } else {
-                let reason = if placement.open[home as usize] {
-                    WaitReason::HomeFull
-                } else {
-                    WaitReason::HomeBusy
-                };
-                decisions.waiting.push(Waiting {
-                    request: r.id,
-                    reason,
-                });
+            let open = placement.open[home as usize];
+            if placement.fits(home, inst, n) {
+                // On a busy home the step waits for the next batch there; it counts anyway.
+                placement.add_fixed(home, inst, n, r.next_kind != StepKind::Cache);
+                if open {
+                    r.in_flight = true;
+                    // Stays on its home: the same instance as its last dispatch.
+                    scratch
+                        .assigned
+                        .push(Assignment::new(home, pos as u32, r, false, now, caching));
+                    continue;
+                }
             }
+            let reason = if open {
+                WaitReason::HomeFull
+            } else {
+                WaitReason::HomeBusy
+            };
+            decisions.waiting.push(Waiting {
+                request: r.id,
+                reason,
+            });
         }
 
-        placement.build_heaps(&instances.slots);
-        let choice = config.policy.instance_choice;
-        // Instances only fill up during a round: once no instance fits `n` tokens, none fits
-        // more, so later requests that large wait without searching.
-        let mut no_fit = if placement.accepting == 0 {
-            0
-        } else {
-            u64::MAX
-        };
+        placement.build(&instances.slots);
         for &pos in &scratch.free {
             let r = *requests.req(pos);
             let n = r.step_tokens();
-            let best = if n >= no_fit {
-                None
-            } else {
-                placement.best(n, groups, choice)
+            let seq = r.seq_tokens();
+            let reserved_slot = reservation.filter(|v| v.handle == r.handle).map(|v| v.slot);
+            let mut best = placement.best(n, seq, groups);
+            if let Some(rs) = reserved_slot {
+                let inst = &instances.slots[rs as usize];
+                if let Some(key) = placement.reserved_key(rs, inst, n, seq, &groups[inst.group]) {
+                    if Placement::better(key, rs, best) {
+                        best = Some(Candidate { slot: rs, key });
+                    }
+                }
+            }
+            let target = match r.home {
+                Some(h) if best.is_some_and(|b| b.slot == h) => Some(h),
+                Some(h) => {
+                    let inst = &instances.slots[h as usize];
+                    match placement.home_key(h, inst, n, seq, &groups[inst.group]) {
+                        Some(key) if best.is_none_or(|b| key <= b.key) => Some(h),
+                        _ => best.map(|b| b.slot),
+                    }
+                }
+                None => best.map(|b| b.slot),
             };
-            let Some(best) = best else {
-                no_fit = no_fit.min(n);
-                let reason = if placement.targets == 0 {
-                    WaitReason::NoInstance
-                } else if placement.accepting == 0 {
-                    WaitReason::AllBusy
-                } else {
-                    WaitReason::NoRoom
-                };
+            let Some(target) = target else {
+                let reason = wait_reason(placement, &instances.slots, &r);
                 decisions.waiting.push(Waiting {
                     request: r.id,
                     reason,
                 });
+                if reservation.is_none() && reason != WaitReason::NoInstance {
+                    let found = reservation::soonest(
+                        &mut scratch.reservation,
+                        requests,
+                        &instances.slots,
+                        groups,
+                        placement,
+                        config,
+                        &r,
+                        now,
+                    );
+                    if let Some(slot) = found {
+                        *reservation = Some(Reservation {
+                            handle: r.handle,
+                            slot,
+                        });
+                        placement.reserve(slot, &instances.slots[slot as usize]);
+                    }
+                }
                 continue;
             };
-            let to = instances.slots[best.slot as usize].id;
-            let target = match r.home {
-                Some(h) if h == best.slot => h,
-                Some(h) => {
+            let new_resident = r.home != Some(target);
+            if !placement.open[target as usize] {
+                let inst = &instances.slots[target as usize];
+                placement.add_free(target, inst, n, new_resident.then_some(seq));
+                decisions.waiting.push(Waiting {
+                    request: r.id,
+                    reason: WaitReason::QueuedBusy,
+                });
+                continue;
+            }
+            let to = instances.slots[target as usize].id;
+            let moved_from = match (r.home, r.displaced_from) {
+                (Some(h), _) if h != target => {
                     let inst = &instances.slots[h as usize];
-                    let home_fits = placement.fits(h, n);
-                    if !inst.draining
-                        && home_fits
-                        && placement.key(h, n, &groups[inst.group], choice) <= best.key
-                    {
-                        h
+                    let reason = if inst.draining {
+                        MigrationReason::Draining
+                    } else if !placement.open[h as usize] {
+                        MigrationReason::HomeBusy
+                    } else if !placement.fits(h, inst, n) {
+                        MigrationReason::HomeFull
                     } else {
-                        let reason = if inst.draining {
-                            MigrationReason::Draining
-                        } else if !placement.open[h as usize] {
-                            MigrationReason::HomeBusy
-                        } else if !home_fits {
-                            MigrationReason::HomeFull
-                        } else {
-                            MigrationReason::Rebalance
-                        };
-                        decisions.migrations.push(Migration {
-                            request: r.id,
-                            from: inst.id,
-                            to,
-                            reason,
-                        });
-                        best.slot
-                    }
+                        MigrationReason::Rebalance
+                    };
+                    Some((inst.id, reason))
                 }
-                None => {
-                    if let Some(from) = r.displaced_from {
-                        decisions.migrations.push(Migration {
-                            request: r.id,
-                            from,
-                            to,
-                            reason: MigrationReason::InstanceRemoved,
-                        });
-                    }
-                    best.slot
-                }
+                (None, Some((from, reason))) if from != to => Some((from, reason)),
+                _ => None,
             };
-            placement.add_free(target, instances.slots[target as usize].group, n);
-            let moved = r.home != Some(target);
-            if moved {
+            if let Some((from, reason)) = moved_from {
+                decisions.migrations.push(Migration {
+                    request: r.id,
+                    from,
+                    to,
+                    reason,
+                });
+                requests.history[r.handle as usize].migrations += 1;
+            }
+            if new_resident {
                 if let Some(h) = r.home {
-                    instances.slots[h as usize].drop_resident(r.seq_tokens());
+                    instances.slots[h as usize].drop_resident(seq);
+                    placement.left(h, &instances.slots[h as usize]);
                 }
-                instances.slots[target as usize].add_resident(r.seq_tokens());
+                instances.slots[target as usize].add_resident(seq);
+            }
+            placement.add_free(target, &instances.slots[target as usize], n, None);
+            if let Some(rs) = reserved_slot {
+                *reservation = None;
+                placement.release(rs, &instances.slots[rs as usize]);
             }
             let r = requests.req_mut(pos);
             r.in_flight = true;
             r.home = Some(target);
             r.displaced_from = None;
-            scratch
-                .assigned
-                .push(Assignment::new(target, pos, r, moved, now));
+            let (first, changed) = (r.last_instance.is_none(), r.last_instance != Some(to));
+            r.last_instance = Some(to);
+            let a = Assignment::new(target, pos, r, new_resident, now, caching);
+            scratch.assigned.push(a);
+            if changed {
+                if first {
+                    *queued = queued.saturating_sub(1);
+                }
+                requests.history[a.handle as usize].moved_to(to, now);
+            }
         }
     }
 
@@ -314,6 +383,7 @@ impl Scheduler {
             let full = scratch.placement.full_tokens[slot];
             inst.busy = true;
             inst.inflight_tokens = tokens;
+            inst.next_tokens = 0;
             inst.started_at = now;
             inst.predicted_s = costs.batch(full, tokens - full);
             scratch.prices[slot] = step_prices(costs, inst, config.caching, config.block_size);
@@ -333,6 +403,9 @@ impl Scheduler {
             tau: f64::NAN,
             kind: StepKind::NoCache,
             new_here: false,
+            tokens: 0,
+            block: 0,
+            unmasked_in_block: 0,
         };
         decisions.entries.clear();
         decisions
@@ -352,6 +425,7 @@ impl Scheduler {
                 }
             };
             requests.set_last_tau(a.pos, tau);
+            instances.slots[a.inst as usize].next_tokens += a.next_estimate;
             let at = scratch.cursor[a.inst as usize];
             scratch.cursor[a.inst as usize] += 1;
             decisions.entries[at] = BatchEntry {
@@ -359,6 +433,9 @@ impl Scheduler {
                 tau,
                 kind: a.kind,
                 new_here: a.new_here,
+                tokens: a.tokens,
+                block: a.block,
+                unmasked_in_block: a.unmasked_in_block,
             };
             scratch.entry_handles[at] = a.handle;
         }
@@ -371,8 +448,34 @@ impl Scheduler {
     }
 }
 
+/// Why a free request found no instance: none accepts work; none has resident room for it;
+/// all are busy with full next steps; or none has batch-token room (or the one with room
+/// is reserved for another request).
+fn wait_reason(placement: &mut Placement, instances: &[Instance], r: &Request) -> WaitReason {
+    let seq = r.seq_tokens();
+    if placement.targets == 0 {
+        return WaitReason::NoInstance;
+    }
+    let home_room = r.home.is_some_and(|h| !instances[h as usize].draining);
+    let reserved_room = placement
+        .reserved()
+        .is_some_and(|rs| placement.resident_room(rs, &instances[rs as usize], seq));
+    if !(home_room || reserved_room || placement.any_resident_room(seq)) {
+        WaitReason::NoKvRoom
+    } else if placement.accepting == 0 {
+        WaitReason::AllBusy
+    } else {
+        WaitReason::NoRoom
+    }
+}
+
 /// Expected seconds of each step shape on `inst` given the requests it now holds.
-fn step_prices(costs: &DegreeCosts, inst: &Instance, caching: bool, block: u32) -> StepPrices {
+pub(crate) fn step_prices(
+    costs: &DegreeCosts,
+    inst: &Instance,
+    caching: bool,
+    block: u32,
+) -> StepPrices {
     let full = costs.full(inst.resident_tokens as f64) * inst.factor;
     let cache = if caching {
         costs.cache(f64::from(block) * f64::from(inst.residents)) * inst.factor

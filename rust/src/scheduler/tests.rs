@@ -24,12 +24,7 @@ pub(super) fn profile() -> LatencyProfile {
 }
 
 pub(super) fn instance(id: u64, tp: u32) -> InstanceSpec {
-    InstanceSpec {
-        id,
-        tp,
-        gpus: (0..tp).collect(),
-        node: id as u32,
-    }
+    InstanceSpec::new(id, tp, (0..tp).collect(), id as u32)
 }
 
 pub(super) fn scheduler(policy: Policy) -> Scheduler {
@@ -150,31 +145,39 @@ fn waiting_requests_carry_reasons() {
             reason: WaitReason::NoRoom
         }]
     );
+    assert_eq!(
+        s.instance(1).unwrap().reserved_for,
+        Some(2),
+        "the request that found no room holds the instance"
+    );
     s.arrive(RequestSpec::new(3, 0.0, 10.0, 10, 32)).unwrap();
     let d = s.schedule(0.0).unwrap();
     assert_eq!(d.waiting.len(), 2);
     assert!(d.waiting.iter().all(|w| w.reason == WaitReason::AllBusy));
     s.step_done(1, 0.05, &[StepResult::new(1, 1)]).unwrap();
     let d = s.schedule(0.1).unwrap().clone();
-    // Request 1 keeps its cache step; 2 no longer fits beside it; 3 does.
+    // Request 1 keeps its cache step; 2 does not fit beside it, and 3 may not take the
+    // instance reserved for 2.
     let ids: Vec<u64> = batch_of(&d, 1).iter().map(|e| e.request).collect();
-    assert_eq!(ids, vec![1, 3]);
+    assert_eq!(ids, vec![1]);
+    let waits: Vec<(u64, WaitReason)> = d.waiting.iter().map(|w| (w.request, w.reason)).collect();
     assert_eq!(
-        d.waiting,
-        vec![Waiting {
-            request: 2,
-            reason: WaitReason::NoRoom
-        }]
+        waits,
+        vec![(2, WaitReason::NoRoom), (3, WaitReason::NoRoom)]
     );
     s.drain_instance(1).unwrap();
-    s.step_done(1, 0.05, &[StepResult::new(1, 1), StepResult::new(3, 1)])
-        .unwrap();
+    assert_eq!(s.instance(1).unwrap().reserved_for, None);
+    s.step_done(1, 0.05, &[StepResult::new(1, 1)]).unwrap();
     s.arrive(RequestSpec::new(4, 0.0, 10.0, 10, 32)).unwrap();
     let d = s.schedule(0.2).unwrap();
     let waits: Vec<(u64, WaitReason)> = d.waiting.iter().map(|w| (w.request, w.reason)).collect();
     assert_eq!(
         waits,
-        vec![(2, WaitReason::NoInstance), (4, WaitReason::NoInstance)]
+        vec![
+            (2, WaitReason::NoInstance),
+            (3, WaitReason::NoInstance),
+            (4, WaitReason::NoInstance)
+        ]
     );
 }
 

@@ -27,10 +27,6 @@ fn step_reports_are_checked_before_anything_changes() {
         vec![StepResult::new(on_b, 1)],
         vec![StepResult::new(on_a, 0)],
         vec![StepResult::new(on_a, 33)],
-        vec![StepResult {
-            confidence: Some([0.1, f64::NAN, 0.5, 0.5, 0.6]),
-            ..StepResult::new(on_a, 1)
-        }],
     ];
     for report in bad {
         assert!(matches!(
@@ -76,7 +72,9 @@ fn requests_finish_and_release_their_instance() {
         finished = s
             .step_done(1, 0.05, &results(&d.entries, 16))
             .unwrap()
-            .to_vec();
+            .iter()
+            .map(|f| f.id)
+            .collect();
     }
     assert_eq!(finished, vec![1]);
     assert_eq!(s.active_requests(), 0);
@@ -98,7 +96,8 @@ fn early_end_of_sequence_finishes_a_request() {
         finished: true,
         ..StepResult::new(1, 5)
     };
-    assert_eq!(s.step_done(1, 0.05, &[eos]).unwrap(), &[1]);
+    let done = s.step_done(1, 0.05, &[eos]).unwrap();
+    assert_eq!(done.iter().map(|f| f.id).collect::<Vec<_>>(), vec![1]);
     assert_eq!(s.active_requests(), 0);
 }
 

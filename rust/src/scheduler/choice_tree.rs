@@ -1,0 +1,281 @@
+//! Exact instance choice over the instances of one TP degree without scanning them all.
+//!
+//! A request's key on instance `s` is `start_s + factor_s × C(tokens_s + n)` (earliest
+//! completion: `C` is the degree's full-step cost, non-decreasing in tokens) or `start_s`
+//! (least loaded, `factor_s = 0`). Factors and start times differ between instances, so
+//! neither the fewest tokens nor the earliest start identifies the best one. A segment tree
+//! over the instances (leaves in slot order) keeps, per subtree, the smallest start, factor
+//! and tokens and the largest batch-token, KV-token and request room. A search descends
+//! left to right and skips a subtree when no instance in it has room, or when
+//! `min start + min factor × C(min tokens + n)` — a lower bound of every key in it — cannot
+//! beat the best key found so far. The answer is the exact minimum of (key, slot).
+//!
+//! The bound uses `C` shrunk by one part in 10¹²: the tables interpolate piecewise, so `C`
+//! computed in floating point may dip by a few ulps across a segment boundary; the margin
+//! keeps the bound at or below every key, so pruning never changes the answer.
+
+use super::cost::DegreeCosts;
+
+/// Shrinks the cost term of a bound below any rounding dip of the interpolation.
+const BOUND_MARGIN: f64 = 1.0 - 1e-12;
+
+/// One instance's entry, or a subtree's aggregate (minima of the first three fields, maxima
+/// of the rooms).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Leaf {
+    /// When its next step can start (earliest completion), or its load (least loaded).
+    pub start: f64,
+    /// Measured step-time correction; 0 under least-loaded choice.
+    pub factor: f64,
+    /// Batch tokens its next step already holds.
+    pub tokens: u64,
+    /// Batch tokens its next step may still take.
+    pub batch_room: i64,
+    /// Sequence tokens that may still become resident.
+    pub kv_room: i64,
+    /// Requests that may still become resident.
+    pub req_room: i64,
+}
+
+impl Leaf {
+    /// An instance that takes no new request.
+    pub const CLOSED: Leaf = Leaf {
+        start: f64::INFINITY,
+        factor: f64::INFINITY,
+        tokens: u64::MAX,
+        batch_room: -1,
+        kv_room: -1,
+        req_room: -1,
+    };
+
+    fn merge(a: &Leaf, b: &Leaf) -> Leaf {
+        Leaf {
+            start: a.start.min(b.start),
+            factor: a.factor.min(b.factor),
+            tokens: a.tokens.min(b.tokens),
+            batch_room: a.batch_room.max(b.batch_room),
+            kv_room: a.kv_room.max(b.kv_room),
+            req_room: a.req_room.max(b.req_room),
+        }
+    }
+
+    /// Whether a request of `seq` sequence tokens with an `n`-token step may come here.
+    fn admits(&self, n: i64, seq: i64) -> bool {
+        self.batch_room >= n && self.kv_room >= seq && self.req_room >= 1
+    }
+}
+
+/// What a search looks for.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Query {
+    /// Batch tokens of the request's step.
+    pub n: u64,
+    /// Sequence tokens it would hold resident.
+    pub seq: u64,
+    /// Earliest completion (keys involve step costs) rather than least loaded.
+    pub timed: bool,
+}
+
+impl Query {
+    /// Key of a leaf, or a lower bound of the keys below an aggregate.
+    fn key(&self, leaf: &Leaf, costs: &DegreeCosts, margin: f64) -> f64 {
+        if self.timed {
+            leaf.start + leaf.factor * (costs.full((leaf.tokens + self.n) as f64) * margin)
+        } else {
+            leaf.start
+        }
+    }
+}
+
+/// The best `(key, slot)` so far; smaller is better.
+pub(crate) type Best = Option<(f64, u32)>;
+
+/// Whether `(key, slot)` beats `best`.
+pub(crate) fn beats(key: f64, slot: u32, best: Best) -> bool {
+    best.is_none_or(|(k, s)| key < k || (key == k && slot < s))
+}
+
+#[derive(Clone, Debug, Default)]
+pub(crate) struct ChoiceTree {
+    /// Leaves in a power-of-two layer; node `i` has children `2i` and `2i + 1`.
+    width: usize,
+    nodes: Vec<Leaf>,
+    /// Instance slot of each leaf, ascending.
+    slots: Vec<u32>,
+}
+
+impl ChoiceTree {
+    /// Empties the tree; leaves are then added with [`Self::push`] and filled by
+    /// [`Self::build`].
+    pub fn clear(&mut self) {
+        self.slots.clear();
+    }
+
+    /// Adds instance `slot` (slots must come ascending); returns its leaf index.
+    pub fn push(&mut self, slot: u32) -> u32 {
+        self.slots.push(slot);
+        (self.slots.len() - 1) as u32
+    }
+
+    /// Sets every leaf from `leaf(slot)` and computes the aggregates.
+    pub fn build(&mut self, mut leaf: impl FnMut(u32) -> Leaf) {
+        self.width = self.slots.len().next_power_of_two();
+        self.nodes.clear();
+        self.nodes.resize(2 * self.width, Leaf::CLOSED);
+        for (i, &slot) in self.slots.iter().enumerate() {
+            self.nodes[self.width + i] = leaf(slot);
+        }
+        for i in (1..self.width).rev() {
+            self.nodes[i] = Leaf::merge(&self.nodes[2 * i], &self.nodes[2 * i + 1]);
+        }
+    }
+
+    /// Replaces leaf `index` and updates the aggregates above it.
+    pub fn set(&mut self, index: u32, leaf: Leaf) {
+        let mut i = self.width + index as usize;
+        self.nodes[i] = leaf;
+        while i > 1 {
+            i /= 2;
+            self.nodes[i] = Leaf::merge(&self.nodes[2 * i], &self.nodes[2 * i + 1]);
+        }
+    }
+
+    /// Improves `best` with the minimum (key, slot) over leaves that admit the query.
+    pub fn search(&self, q: &Query, costs: &DegreeCosts, best: &mut Best) {
+        if !self.slots.is_empty() {
+            self.visit(1, 0, self.width, q, costs, best);
+        }
+    }
+
+    fn visit(
+        &self,
+        node: usize,
+        first: usize,
+        span: usize,
+        q: &Query,
+        costs: &DegreeCosts,
+        best: &mut Best,
+    ) {
+        let agg = &self.nodes[node];
+        if !agg.admits(q.n as i64, q.seq as i64) {
+            return;
+        }
+        // Leaves past the last instance are CLOSED, so an admitting node has `first` in range.
+        let first_slot = self.slots[first];
+        if span == 1 {
+            let key = q.key(agg, costs, 1.0);
+            if beats(key, first_slot, *best) {
+                *best = Some((key, first_slot));
+            }
+            return;
+        }
+        if let Some((k, s)) = *best {
+            let bound = q.key(agg, costs, BOUND_MARGIN);
+            if bound > k || (bound == k && first_slot > s) {
+                return;
+            }
+        }
+        let half = span / 2;
+        self.visit(2 * node, first, half, q, costs, best);
+        self.visit(2 * node + 1, first + half, half, q, costs, best);
+    }
+
+    /// Whether some leaf has resident room for `seq` sequence tokens (batch room aside).
+    pub fn any_resident_room(&self, seq: u64) -> bool {
+        !self.slots.is_empty() && self.room_below(1, seq as i64)
+    }
+
+    fn room_below(&self, node: usize, seq: i64) -> bool {
+        let agg = &self.nodes[node];
+        if agg.kv_room < seq || agg.req_room < 1 {
+            return false;
+        }
+        node >= self.width || self.room_below(2 * node, seq) || self.room_below(2 * node + 1, seq)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::scheduler::tests::profile;
+
+    fn leaf() -> impl Strategy<Value = Leaf> {
+        (
+            prop::sample::select(vec![0.0, 0.0, 0.05, 0.3]),
+            prop::sample::select(vec![0.5, 1.0, 1.0, 1.3]),
+            0u64..6000,
+            -5i64..4000,
+            -5i64..4000,
+            -1i64..3,
+            prop::bool::weighted(0.1),
+        )
+            .prop_map(|(start, factor, tokens, batch, kv, req, closed)| {
+                if closed {
+                    Leaf::CLOSED
+                } else {
+                    Leaf {
+                        start,
+                        factor,
+                        tokens,
+                        batch_room: batch,
+                        kv_room: kv,
+                        req_room: req,
+                    }
+                }
+            })
+    }
+
+    proptest! {
+        /// The pruned search returns exactly the minimum (key, slot) of a scan, before and
+        /// after leaf updates, for both kinds of key.
+        #[test]
+        fn search_matches_a_scan(
+            leaves in prop::collection::vec(leaf(), 1..40),
+            updates in prop::collection::vec((any::<prop::sample::Index>(), leaf()), 0..10),
+            queries in prop::collection::vec((1u64..3000, 1u64..3000), 1..10),
+            timed in any::<bool>(),
+        ) {
+            let costs = DegreeCosts::new(&profile(), 1, true, 8192).unwrap();
+            let slots: Vec<u32> = (0..leaves.len() as u32).map(|i| 3 * i + 1).collect();
+            let mut leaves: Vec<Leaf> = leaves
+                .into_iter()
+                .map(|l| if timed { l } else { Leaf { factor: 0.0, ..l } })
+                .collect();
+            let mut tree = ChoiceTree::default();
+            for &s in &slots {
+                tree.push(s);
+            }
+            tree.build(|s| leaves[(s / 3) as usize]);
+            for round in 0..=updates.len() {
+                if round > 0 {
+                    let (at, mut l) = updates[round - 1];
+                    if !timed {
+                        l.factor = 0.0;
+                    }
+                    let i = at.index(leaves.len());
+                    leaves[i] = l;
+                    tree.set(i as u32, l);
+                }
+                for &(n, seq) in &queries {
+                    let q = Query { n, seq, timed };
+                    let mut expected: Best = None;
+                    for (i, l) in leaves.iter().enumerate() {
+                        if l.admits(n as i64, seq as i64) {
+                            let key = q.key(l, &costs, 1.0);
+                            if beats(key, slots[i], expected) {
+                                expected = Some((key, slots[i]));
+                            }
+                        }
+                    }
+                    let mut got = None;
+                    tree.search(&q, &costs, &mut got);
+                    prop_assert_eq!(got, expected);
+                    let any = leaves.iter().any(|l| l.kv_room >= seq as i64 && l.req_room >= 1);
+                    prop_assert_eq!(tree.any_resident_room(seq), any);
+                }
+            }
+        }
+    }
+}
