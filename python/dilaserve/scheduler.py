@@ -152,6 +152,13 @@ class SchedulerConfig:
     #: `(threshold, mean tokens per step)` points of the default predictor; None uses
     #: Fast-dLLM's GSM8K figures.
     predictor_rates: tuple[tuple[float, float], ...] | None = None
+    #: LightGBM model of remaining steps (`predictor.txt`, with `predictor_recompute.txt`
+    #: beside it if present), evaluated natively instead of the mean-rate table.
+    predictor_model: str | None = None
+    #: For experiments: a predictor object instead (`dilaserve.predictor.GbmPredictor` or
+    #: `MeanRatePredictor`, run natively, or any object with the `PythonPredictor`
+    #: method). At most one of `predictor_rates`, `predictor_model` and `predictor`.
+    predictor: object | None = field(default=None, compare=False)
 
 
 class StepResult(NamedTuple):
@@ -412,6 +419,8 @@ class Scheduler:
             predict_every=p.predict_every,
             predictor_rates=rates,
             max_queued=c.max_queued,
+            predictor=getattr(c.predictor, "native", c.predictor),
+            predictor_model=None if c.predictor_model is None else str(c.predictor_model),
         )
 
     @property

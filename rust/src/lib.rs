@@ -3,6 +3,7 @@
 //! bindings are compiled only with the `python` feature, which maturin turns on.
 
 pub mod planner;
+pub mod predictor;
 pub mod profile;
 pub mod scheduler;
 

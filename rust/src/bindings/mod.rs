@@ -5,6 +5,7 @@ use pyo3::prelude::*;
 mod args;
 mod decisions;
 mod planner;
+mod predictor;
 mod profile;
 mod scheduler;
 
@@ -12,5 +13,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     profile::register(m)?;
     scheduler::register(m)?;
     decisions::register(m)?;
-    planner::register(m)
+    planner::register(m)?;
+    predictor::register(m)
 }

@@ -1,6 +1,8 @@
 //! Python view of the Rust `Scheduler`: events in, decisions out, typed exceptions for bad
 //! input, and the GIL released while a round runs.
 
+use std::path::PathBuf;
+
 use pyo3::create_exception;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -8,10 +10,13 @@ use pyo3::types::PyDict;
 
 use super::args::Unsigned;
 use super::decisions::PyDecisions;
+use super::predictor::predictor_from_object;
 use super::profile::PyLatencyProfile;
+use crate::predictor::GbmPredictor;
 use crate::scheduler::{
     FinishedRequest, InstanceChoice, InstanceSpec, LoadOrder, MeanRatePredictor, Policy,
-    Prediction, RequestSpec, SchedError, Scheduler, SchedulerConfig, StepResult, ThresholdPolicy,
+    Prediction, RequestSpec, SchedError, Scheduler, SchedulerConfig, StepPredictor, StepResult,
+    ThresholdPolicy,
 };
 
 create_exception!(
@@ -84,6 +89,7 @@ impl From<SchedError> for PyErr {
             }
             SchedError::BadTime(_) => SchedulerError::new_err(msg),
             SchedError::Profile(p) => p.into(),
+            SchedError::Predictor(p) => p.into(),
         }
     }
 }
@@ -183,7 +189,8 @@ impl PyScheduler {
     #[pyo3(signature = (
         profile, *, thresholds, block_size, caching, max_batch_tokens, slo_window_s,
         threshold_policy, fixed_tau, load_control, load_order, instance_choice, migration,
-        prediction, predict_every, predictor_rates, max_queued=None,
+        prediction, predict_every, predictor_rates, max_queued=None, predictor=None,
+        predictor_model=None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -203,6 +210,8 @@ impl PyScheduler {
         predict_every: i64,
         predictor_rates: Option<Vec<(f64, f64)>>,
         max_queued: Option<i64>,
+        predictor: Option<&Bound<'_, PyAny>>,
+        predictor_model: Option<PathBuf>,
     ) -> PyResult<Self> {
         let policy = Policy {
             threshold: parse_threshold(threshold_policy, fixed_tau)?,
@@ -227,12 +236,21 @@ impl PyScheduler {
                 .transpose()?,
             policy,
         };
-        let predictor = match predictor_rates {
-            Some(points) => MeanRatePredictor::new(&points)?,
-            None => MeanRatePredictor::default(),
+        let predictor: Box<dyn StepPredictor> = match (predictor, predictor_model, predictor_rates)
+        {
+            (None, None, None) => Box::new(MeanRatePredictor::default()),
+            (None, None, Some(points)) => Box::new(MeanRatePredictor::new(&points)?),
+            (None, Some(path), None) => Box::new(GbmPredictor::load(path)?),
+            (Some(object), None, None) => predictor_from_object(object),
+            _ => {
+                return Err(SchedError::Config(
+                    "give at most one of predictor, predictor_model and predictor_rates".into(),
+                )
+                .into())
+            }
         };
         Ok(Self {
-            inner: Scheduler::with_predictor(profile.inner.clone(), config, Box::new(predictor))?,
+            inner: Scheduler::with_predictor(profile.inner.clone(), config, predictor)?,
         })
     }
 

@@ -1,6 +1,7 @@
 //! Typed errors of the scheduler's event API: every rejected input names what was wrong,
 //! and the scheduler's state is left untouched when an event is rejected.
 
+use super::predictor::PredictError;
 use crate::profile::ProfileError;
 
 #[derive(Debug, thiserror::Error)]
@@ -56,4 +57,7 @@ pub enum SchedError {
     BadTime(f64),
     #[error(transparent)]
     Profile(#[from] ProfileError),
+    /// The step predictor failed or returned an invalid prediction.
+    #[error(transparent)]
+    Predictor(#[from] PredictError),
 }

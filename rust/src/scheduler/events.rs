@@ -4,6 +4,7 @@
 use super::config::Prediction;
 use super::error::SchedError;
 use super::history::FinishedRequest;
+use super::predictor::check_predictions;
 use super::request::{Request, RequestSpec};
 use super::Scheduler;
 use crate::profile::StepKind;
@@ -57,11 +58,18 @@ impl Scheduler {
                 });
             }
         }
+        // Predicted before the request is stored, so a failing predictor leaves no trace.
+        let taus = &self.config.thresholds;
+        let view = [request.view(None)];
+        let scratch = &mut self.scratch;
+        scratch.predicted.clear();
+        scratch.predicted.resize(taus.len(), Default::default());
+        self.predictor
+            .predict_batch(&view, taus, &mut scratch.predicted)
+            .and_then(|()| check_predictions(&view, taus, &scratch.predicted))?;
         let pos = self.requests.insert(request, allowed);
+        self.requests.set_steps(pos, &self.scratch.predicted);
         self.queued += 1;
-        self.scratch.pending.clear();
-        self.scratch.pending.push(pos);
-        self.refresh_predictions();
         Ok(())
     }
 
@@ -92,6 +100,10 @@ impl Scheduler {
 
     /// Applies the report of `instance`'s finished step. Returns the requests that
     /// finished, with their statistics.
+    ///
+    /// A report that passes its checks is applied even if the predictor then fails
+    /// ([`SchedError::Predictor`]): the step did run. The requests due a fresh prediction
+    /// keep their last one, and the error is returned.
     pub fn step_done(
         &mut self,
         instance: u64,
@@ -151,7 +163,8 @@ impl Scheduler {
                 }
             }
         }
-        self.refresh_predictions();
+        // The report is applied whatever the predictor does: the worker did run the step.
+        self.refresh_predictions()?;
         Ok(&self.scratch.finished)
     }
 
@@ -223,12 +236,14 @@ impl Scheduler {
         let was_full = r.needs_recompute();
         r.in_flight = false;
         r.steps_done += 1;
+        r.block_steps += 1;
         r.unmasked += committed;
         r.unmasked_in_block += committed;
         let block_done = r.unmasked_in_block == r.block_size;
         if block_done {
             r.current_block += 1;
             r.unmasked_in_block = 0;
+            r.block_steps = 0;
             if caching {
                 r.next_kind = StepKind::Recompute;
             }
@@ -256,11 +271,13 @@ impl Scheduler {
         self.requests.count_step_off(pos, was_full);
     }
 
-    /// Runs the predictor once over every position in `scratch.pending`.
-    pub(crate) fn refresh_predictions(&mut self) {
+    /// Runs the predictor once over every position in `scratch.pending`. If it fails or
+    /// returns an invalid prediction, every pending request keeps its last predictions
+    /// (valid numbers, not yet counted off by the latest step) and the error is returned.
+    pub(crate) fn refresh_predictions(&mut self) -> Result<(), SchedError> {
         let scratch = &mut self.scratch;
         if scratch.pending.is_empty() {
-            return;
+            return Ok(());
         }
         let taus = &self.config.thresholds;
         let requests = &mut self.requests;
@@ -273,8 +290,14 @@ impl Scheduler {
         scratch
             .predicted
             .resize(scratch.views.len() * taus.len(), Default::default());
-        self.predictor
-            .predict_batch(&scratch.views, taus, &mut scratch.predicted);
+        let predicted = self
+            .predictor
+            .predict_batch(&scratch.views, taus, &mut scratch.predicted)
+            .and_then(|()| check_predictions(&scratch.views, taus, &scratch.predicted));
+        if let Err(e) = predicted {
+            scratch.pending.clear();
+            return Err(e.into());
+        }
         for (&pos, row) in scratch
             .pending
             .iter()
@@ -283,6 +306,7 @@ impl Scheduler {
             requests.set_steps(pos, row);
         }
         scratch.pending.clear();
+        Ok(())
     }
 }
 

@@ -78,7 +78,7 @@ impl Scheduler {
                 self.displace(pos, id, MigrationReason::InstanceRemoved);
             }
         }
-        self.refresh_predictions();
+        self.refresh_predictions()?;
         Ok(())
     }
 
@@ -111,7 +111,7 @@ impl Scheduler {
         let inst = &mut self.instances.slots[inst_slot as usize];
         inst.inflight = handles;
         inst.inflight.clear();
-        self.refresh_predictions();
+        self.refresh_predictions()?;
         Ok(&self.scratch.aborted)
     }
 

@@ -59,7 +59,9 @@ pub use events::StepResult;
 pub use history::FinishedRequest;
 pub use instance::InstanceSpec;
 pub use load_control::{request_load, LoadControl};
-pub use predictor::{MeanRatePredictor, RequestView, StepPredictor, StepsLeft};
+pub use predictor::{
+    check_predictions, MeanRatePredictor, PredictError, RequestView, StepPredictor, StepsLeft,
+};
 pub use request::RequestSpec;
 pub use threshold::{choose_threshold, StepPrices};
 

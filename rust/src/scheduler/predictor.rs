@@ -1,16 +1,22 @@
 //! Remaining-step predictions (DESIGN §3). The scheduler only sees the [`StepPredictor`]
-//! trait, so the learned predictor can replace the default without touching the policies.
+//! trait, so the learned predictor (`crate::predictor::GbmPredictor`), a calibrated
+//! mean-rate table or a predictor written in Python can replace the default without
+//! touching the policies. Every prediction is checked ([`check_predictions`]): a NaN,
+//! infinite or negative one is a [`PredictError`], never a silently wrong threshold.
 
 use super::error::SchedError;
 
 /// What a predictor sees of one request.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct RequestView {
+    pub id: u64,
     pub prompt_len: u32,
     /// Output positions, a whole number of blocks.
     pub output_len: u32,
     pub block_size: u32,
     pub steps_done: u32,
+    /// Steps run in the current block (0: the next step opens it).
+    pub block_steps: u32,
     pub unmasked: u32,
     pub unmasked_in_block: u32,
     pub current_block: u32,
@@ -43,18 +49,77 @@ impl StepsLeft {
     }
 }
 
+/// Why a predictor produced no usable prediction.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum PredictError {
+    #[error(
+        "the step predictor returned {value} {kind} steps for request {request} at threshold \
+         {threshold}: predictions must be finite and non-negative"
+    )]
+    Invalid {
+        request: u64,
+        threshold: f64,
+        kind: &'static str,
+        value: f64,
+    },
+    /// The predictor itself failed (a Python predictor raised, returned the wrong shape).
+    #[error("the step predictor failed: {0}")]
+    Failed(String),
+}
+
 /// Predicts remaining steps of requests at every candidate threshold.
 pub trait StepPredictor: Send + Sync {
     /// Fills `out[k]` with the prediction at `thresholds[k]`.
-    fn predict(&self, request: &RequestView, thresholds: &[f64], out: &mut [StepsLeft]);
+    fn predict(
+        &self,
+        request: &RequestView,
+        thresholds: &[f64],
+        out: &mut [StepsLeft],
+    ) -> Result<(), PredictError>;
 
     /// Batched form: `out` holds `thresholds.len()` entries per request, request-major.
     /// Learned predictors override this to evaluate requests × thresholds in one call.
-    fn predict_batch(&self, requests: &[RequestView], thresholds: &[f64], out: &mut [StepsLeft]) {
+    fn predict_batch(
+        &self,
+        requests: &[RequestView],
+        thresholds: &[f64],
+        out: &mut [StepsLeft],
+    ) -> Result<(), PredictError> {
+        if thresholds.is_empty() {
+            return Ok(());
+        }
         for (request, row) in requests.iter().zip(out.chunks_exact_mut(thresholds.len())) {
-            self.predict(request, thresholds, row);
+            self.predict(request, thresholds, row)?;
+        }
+        Ok(())
+    }
+}
+
+/// The first prediction of `out` (laid out as [`StepPredictor::predict_batch`] fills it)
+/// that is NaN, infinite or negative, as an error.
+pub fn check_predictions(
+    requests: &[RequestView],
+    thresholds: &[f64],
+    out: &[StepsLeft],
+) -> Result<(), PredictError> {
+    if thresholds.is_empty() {
+        return Ok(());
+    }
+    for (request, row) in requests.iter().zip(out.chunks_exact(thresholds.len())) {
+        for (s, &threshold) in row.iter().zip(thresholds) {
+            for (kind, value) in [("cache", s.cache), ("recompute", s.recompute)] {
+                if !(value.is_finite() && value >= 0.0) {
+                    return Err(PredictError::Invalid {
+                        request: request.id,
+                        threshold,
+                        kind,
+                        value,
+                    });
+                }
+            }
         }
     }
+    Ok(())
 }
 
 /// Default predictor: each threshold commits a fixed mean number of tokens per step,
@@ -124,7 +189,12 @@ impl Default for MeanRatePredictor {
 }
 
 impl StepPredictor for MeanRatePredictor {
-    fn predict(&self, r: &RequestView, thresholds: &[f64], out: &mut [StepsLeft]) {
+    fn predict(
+        &self,
+        r: &RequestView,
+        thresholds: &[f64],
+        out: &mut [StepsLeft],
+    ) -> Result<(), PredictError> {
         let masked = f64::from(r.block_size - r.unmasked_in_block);
         let block = f64::from(r.block_size);
         let future = f64::from(r.future_blocks());
@@ -138,6 +208,7 @@ impl StepPredictor for MeanRatePredictor {
                 recompute: future + lost,
             };
         }
+        Ok(())
     }
 }
 
@@ -147,10 +218,12 @@ mod tests {
 
     fn view(in_block: u32, block: u32, needs_recompute: bool) -> RequestView {
         RequestView {
+            id: 7,
             prompt_len: 10,
             output_len: 128,
             block_size: 32,
             steps_done: 0,
+            block_steps: 0,
             unmasked: block * 32 + in_block,
             unmasked_in_block: in_block,
             current_block: block,
@@ -173,7 +246,7 @@ mod tests {
         let p = MeanRatePredictor::new(&[(0.5, 8.0), (1.0, 1.0)]).unwrap();
         let mut out = [StepsLeft::default(); 2];
         // Fresh request: 4 blocks of 32, 4 steps per block at rate 8.
-        p.predict(&view(0, 0, true), &[0.5, 1.0], &mut out);
+        p.predict(&view(0, 0, true), &[0.5, 1.0], &mut out).unwrap();
         assert_eq!(
             out[0],
             StepsLeft {
@@ -189,7 +262,8 @@ mod tests {
             }
         );
         // Mid-block with the cache intact: 20 masked -> 3 cache steps now.
-        p.predict(&view(12, 1, false), &[0.5], &mut out[..1]);
+        p.predict(&view(12, 1, false), &[0.5], &mut out[..1])
+            .unwrap();
         assert_eq!(
             out[0],
             StepsLeft {
@@ -198,7 +272,8 @@ mod tests {
             }
         );
         // Same state after a lost cache: one of those steps becomes a recompute step.
-        p.predict(&view(12, 1, true), &[0.5], &mut out[..1]);
+        p.predict(&view(12, 1, true), &[0.5], &mut out[..1])
+            .unwrap();
         assert_eq!(
             out[0],
             StepsLeft {
@@ -213,7 +288,7 @@ mod tests {
         let p = MeanRatePredictor::default();
         let taus = [0.5, 0.6, 0.7, 0.8, 0.9, 1.0];
         let mut out = [StepsLeft::default(); 6];
-        p.predict(&view(5, 2, false), &taus, &mut out);
+        p.predict(&view(5, 2, false), &taus, &mut out).unwrap();
         assert!(out.windows(2).all(|w| w[0].total() <= w[1].total()));
     }
 
@@ -226,6 +301,31 @@ mod tests {
             vec![(1.5, 2.0)],
         ] {
             assert!(MeanRatePredictor::new(&bad).is_err());
+        }
+    }
+
+    #[test]
+    fn check_rejects_nan_infinite_and_negative() {
+        let views = [view(0, 0, true), view(3, 1, false)];
+        let taus = [0.5, 0.9];
+        let good = StepsLeft {
+            cache: 1.0,
+            recompute: 0.0,
+        };
+        let mut out = [good; 4];
+        assert_eq!(check_predictions(&views, &taus, &out), Ok(()));
+        for bad in [f64::NAN, f64::INFINITY, -0.5] {
+            out[3].recompute = bad;
+            let err = check_predictions(&views, &taus, &out).unwrap_err();
+            assert!(matches!(
+                err,
+                PredictError::Invalid {
+                    request: 7,
+                    threshold: 0.9,
+                    kind: "recompute",
+                    ..
+                }
+            ));
         }
     }
 }

@@ -57,6 +57,8 @@ pub(crate) struct Request {
     pub output_len: u32,
     pub block_size: u32,
     pub steps_done: u32,
+    /// Steps run in the current block (0: the next step opens it).
+    pub block_steps: u32,
     pub unmasked: u32,
     pub unmasked_in_block: u32,
     pub current_block: u32,
@@ -108,10 +110,12 @@ impl Request {
 
     pub fn view(&self, confidence: Option<[f64; 5]>) -> RequestView {
         RequestView {
+            id: self.id,
             prompt_len: self.prompt_len,
             output_len: self.output_len,
             block_size: self.block_size,
             steps_done: self.steps_done,
+            block_steps: self.block_steps,
             unmasked: self.unmasked,
             unmasked_in_block: self.unmasked_in_block,
             current_block: self.current_block,
@@ -172,6 +176,7 @@ impl Request {
             output_len,
             block_size,
             steps_done: 0,
+            block_steps: 0,
             unmasked: 0,
             unmasked_in_block: 0,
             current_block: 0,
