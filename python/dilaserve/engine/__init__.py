@@ -1,0 +1,44 @@
+"""The serving engine: an asyncio loop on the Rust scheduler driving worker processes.
+
+```python
+async with Engine(EngineConfig(instances=(1, 1))) as engine:
+    async for out in engine.generate("12345+67890=", GenerationParams(max_tokens=8)):
+        print(out.delta, end="")
+```
+"""
+
+from .config import EngineConfig, GenerationParams
+from .engine import Engine, InstanceRecord
+from .errors import (
+    BadRequestError,
+    EngineError,
+    EngineStoppedError,
+    OverloadedError,
+    RequestCancelledError,
+    RequestFailedError,
+    UnknownRequestError,
+)
+from .launcher import Launcher, LocalLauncher, WorkerHandle, WorkerSpec
+from .offline import LLM
+from .requests import RequestOutput, RequestStats
+
+__all__ = [
+    "LLM",
+    "BadRequestError",
+    "Engine",
+    "EngineConfig",
+    "EngineError",
+    "EngineStoppedError",
+    "GenerationParams",
+    "InstanceRecord",
+    "Launcher",
+    "LocalLauncher",
+    "OverloadedError",
+    "RequestCancelledError",
+    "RequestFailedError",
+    "RequestOutput",
+    "RequestStats",
+    "UnknownRequestError",
+    "WorkerHandle",
+    "WorkerSpec",
+]

@@ -1,0 +1,79 @@
+"""Turning a caller's prompt and parameters into a request's initial token state and SLO,
+with every check that can refuse it before it reaches the scheduler."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dilaserve._core import LatencyProfile
+from dilaserve.models import encode_prompt, load_tokenizer, read_config
+from dilaserve.models.tokenizer import UnrepresentableTextError
+from dilaserve.planner import FAST_DLLM_THRESHOLDS, Arrival, mean_isolated_latency
+from dilaserve.protocol import CacheMode, RequestState
+
+from .config import EngineConfig, GenerationParams
+from .errors import BadRequestError
+
+
+class RequestBuilder:
+    def __init__(self, config: EngineConfig, model_dir: str, profile: LatencyProfile) -> None:
+        self.config = config
+        self.profile = profile
+        _, self.model_config = read_config(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
+
+    def build(
+        self, request_id: int, prompt: str | Sequence[int], params: GenerationParams
+    ) -> tuple[RequestState, float]:
+        """The request's token state and its SLO in seconds; raises `BadRequestError`."""
+        params.validate()
+        ids = self.prompt_ids(prompt)
+        c, mc = self.config, self.model_config
+        state = RequestState.new(
+            request_id,
+            ids,
+            params.max_tokens or c.default_max_tokens,
+            block_length=params.block_length or c.block_length,
+            mask_token_id=mc.mask_token_id,
+            eos_token_id=mc.eos_token_id if c.stop_at_eos else None,
+        )
+        if state.seq_length > mc.max_position_embeddings:
+            raise BadRequestError(
+                f"{len(ids)} prompt tokens plus {state.output_length} output positions exceed "
+                f"the model's context of {mc.max_position_embeddings} tokens"
+            )
+        slo = params.slo_s or c.slo_scale * self.isolated_latency(len(ids), state.output_length)
+        return state, slo
+
+    def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            try:
+                ids = encode_prompt(self.tokenizer, prompt)
+            except UnrepresentableTextError as exc:
+                raise BadRequestError(str(exc)) from exc
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise BadRequestError("the prompt is empty")
+        mc = self.model_config
+        bad = [t for t in ids if not 0 <= t < mc.vocab_size or t == mc.mask_token_id]
+        if bad:
+            raise BadRequestError(
+                f"prompt token {bad[0]} is outside the vocabulary [0, {mc.vocab_size}) or "
+                "is the mask token"
+            )
+        return ids
+
+    def isolated_latency(self, prompt_len: int, output_len: int) -> float:
+        """Estimated seconds of one request alone on a TP-1 instance at the top threshold
+        (DESIGN §9's SLO unit)."""
+        rates = self.config.predictor_rates or [
+            (o.threshold, o.tokens_per_step) for o in FAST_DLLM_THRESHOLDS
+        ]
+        return mean_isolated_latency(
+            self.profile,
+            [Arrival(0.0, prompt_len, output_len)],
+            max(rates)[1],
+            self.config.cache is not CacheMode.NONE,
+            self.config.block_length,
+        )

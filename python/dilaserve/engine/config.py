@@ -1,0 +1,111 @@
+"""Engine settings and per-request parameters."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dilaserve.protocol import CacheMode
+from dilaserve.scheduler import Policy
+
+from .errors import BadRequestError
+
+DEFAULT_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine serves one model.
+
+    `instances` lists the TP degree of each instance started with the engine; instances
+    take device slots `0, 1, ...` of one node with `device_slots` slots (GPUs, or virtual
+    CPU slots), which is also what reconfiguration may use.
+    """
+
+    #: Checkpoint directory; None serves the embedded dilaserve-tiny.
+    model: str | Path | None = None
+    instances: tuple[int, ...] = (1,)
+    device_slots: int | None = None
+    cache: CacheMode = CacheMode.DUAL
+    block_length: int = 32
+    dtype: str = "float32"
+    device: str = "cpu"
+    #: Torch intra-op threads per worker; None gives each slot an equal share of the cores,
+    #: so instances on one CPU do not oversubscribe it.
+    threads_per_worker: int | None = None
+    #: KV-cache slots (resident requests) per instance.
+    max_requests_per_instance: int = 64
+    #: Most tokens one step of an instance processes (the planner's batch size).
+    max_batch_tokens: int = 8192
+    thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS
+    policy: Policy = field(default_factory=Policy)
+    #: `(threshold, mean tokens per step)` of the scheduler's default predictor.
+    predictor_rates: tuple[tuple[float, float], ...] | None = None
+    #: A request's default SLO is this many times its estimated latency alone on TP-1.
+    slo_scale: float = 5.0
+    #: Queue bound for admission control when overloaded; None admits everything.
+    max_queued: int | None = None
+    #: Latency profile JSON; None measures one with `dilaserve profile` (cached per model).
+    profile: str | Path | None = None
+    #: Output positions of a request that does not say.
+    default_max_tokens: int = 64
+    stop_at_eos: bool = True
+    #: Re-plan the cluster this often (seconds) from the arrivals of the last interval;
+    #: None turns periodic planning off.
+    replan_interval_s: float | None = None
+    #: TP degrees the planner may choose.
+    planner_degrees: tuple[int, ...] = (1,)
+    #: How many times a crashed instance is restarted before it is given up.
+    max_restarts: int = 3
+    #: A step that fails this many times for a request fails the request.
+    max_step_retries: int = 3
+
+    def __post_init__(self) -> None:
+        if not self.instances:
+            raise ValueError("an engine needs at least one instance")
+        if any(d < 1 for d in self.instances):
+            raise ValueError(f"TP degrees must be positive, got {self.instances}")
+        if self.slots < sum(self.instances):
+            raise ValueError(
+                f"{sum(self.instances)} device slots are needed for instances "
+                f"{self.instances}, but device_slots is {self.slots}"
+            )
+        if self.block_length <= 0 or self.max_requests_per_instance <= 0:
+            raise ValueError("block_length and max_requests_per_instance must be positive")
+        if self.slo_scale <= 0:
+            raise ValueError(f"slo_scale must be positive, got {self.slo_scale}")
+
+    @property
+    def slots(self) -> int:
+        return self.device_slots if self.device_slots is not None else sum(self.instances)
+
+    @property
+    def worker_threads(self) -> int:
+        if self.threads_per_worker:
+            return self.threads_per_worker
+        return max(1, (os.cpu_count() or 1) // self.slots)
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """What a caller may ask of one request."""
+
+    #: Output positions (rounded up to whole blocks); None uses the engine's default.
+    max_tokens: int | None = None
+    #: Deadline in seconds after arrival; None uses the engine's SLO scale.
+    slo_s: float | None = None
+    #: Pins τ for every step; None lets the scheduler choose.
+    threshold: float | None = None
+    block_length: int | None = None
+    priority: int = 0
+
+    def validate(self) -> None:
+        if self.max_tokens is not None and self.max_tokens <= 0:
+            raise BadRequestError(f"max_tokens must be positive, got {self.max_tokens}")
+        if self.slo_s is not None and not self.slo_s > 0:
+            raise BadRequestError(f"slo_s must be positive, got {self.slo_s}")
+        if self.threshold is not None and not 0.0 < self.threshold <= 1.0:
+            raise BadRequestError(f"threshold must be in (0, 1], got {self.threshold}")
+        if self.block_length is not None and self.block_length <= 0:
+            raise BadRequestError(f"block_length must be positive, got {self.block_length}")

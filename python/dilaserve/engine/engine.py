@@ -1,0 +1,528 @@
+"""The serving engine: one asyncio loop that owns the Rust scheduler and drives workers.
+
+Every decision is made here and nowhere else (DESIGN §10). Arrivals, cancellations, step
+reports, worker start-ups and exits are handled as they come, each leaving the scheduler
+consistent; then one scheduling round (under a millisecond, run inline) decides the next
+batch of every idle instance, and each batch goes out as one `StepCommand` that also
+carries the token state of requests new to that instance and the ids that left it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+
+from dilaserve.planner import Arrival
+from dilaserve.protocol import (
+    CacheMode,
+    Shutdown,
+    StepCommand,
+    StepEntry,
+    StepKind,
+    StepReport,
+    WorkerLeaving,
+    WorkerMessage,
+    WorkerReady,
+)
+from dilaserve.scheduler import (
+    AdmissionError,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerError,
+    StepResult,
+)
+from dilaserve.tiny import default_model_dir
+
+from .admission import RequestBuilder
+from .config import EngineConfig, GenerationParams
+from .errors import (
+    BadRequestError,
+    EngineStoppedError,
+    OverloadedError,
+    RequestCancelledError,
+    RequestFailedError,
+    UnknownRequestError,
+)
+from .instances import InflightStep, InstanceRecord, StepTimes
+from .launcher import Launcher, LocalLauncher, WorkerHandle, WorkerSpec
+from .profiles import load_or_measure_profile
+from .reconfigure import Reconfigurer
+from .requests import RequestOutput, RequestStats, TrackedRequest
+from .transport import SendError, WorkerChannel
+
+log = logging.getLogger(__name__)
+
+#: How long a worker may take to load its model and report ready.
+READY_TIMEOUT_S = 300.0
+#: Arrivals remembered for planning (seconds).
+ARRIVAL_HISTORY_S = 600.0
+
+
+class Engine:
+    """Serves one model on a set of instances. Use as `async with Engine(config) as e:`.
+
+    Not thread-safe: every method runs on the loop that started the engine (use
+    `dilaserve.engine.LLM` from synchronous code).
+    """
+
+    def __init__(self, config: EngineConfig | None = None, launcher: Launcher | None = None):
+        self.config = config or EngineConfig()
+        self.launcher = launcher or LocalLauncher()
+        self.model_dir = str(self.config.model or default_model_dir())
+        self.instances: dict[int, InstanceRecord] = {}
+        self._requests: dict[int, TrackedRequest] = {}
+        self._workers: dict[int, InstanceRecord] = {}
+        self._next_request_id = 1
+        self._worker_ids = itertools.count(1)
+        self._instance_ids = itertools.count(0)
+        self._step_numbers = itertools.count(1)
+        self._arrivals: deque[Arrival] = deque()
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._running = False
+        self._t0 = time.monotonic()
+        self.restarts = 0
+        self.step_times = StepTimes()
+        self._rounds = 0
+
+    # -- life cycle ------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Engine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+    async def start(self) -> None:
+        """Loads the tokenizer and latency profile, starts every instance, waits until all
+        are ready."""
+        c = self.config
+        self.profile = await load_or_measure_profile(c, self.model_dir)
+        self.builder = RequestBuilder(c, self.model_dir, self.profile)
+        self.tokenizer = self.builder.tokenizer
+        self.scheduler = Scheduler(
+            self.profile,
+            SchedulerConfig(
+                thresholds=c.thresholds,
+                block_size=c.block_length,
+                caching=c.cache is not CacheMode.NONE,
+                max_batch_tokens=c.max_batch_tokens,
+                policy=c.policy,
+                predictor_rates=c.predictor_rates,
+                max_queued=c.max_queued,
+            ),
+        )
+        self.reconfigurer = Reconfigurer(self)
+        self._channel = WorkerChannel(self._on_message)
+        self._channel.start()
+        self._running = True
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._loop()))
+        if c.replan_interval_s:
+            self._tasks.append(loop.create_task(self._replan_every(c.replan_interval_s)))
+        slot = 0
+        launches = []
+        for tp in c.instances:
+            launches.append(self.launch_instance(tp, tuple(range(slot, slot + tp))))
+            slot += tp
+        await asyncio.gather(*launches)
+
+    async def shutdown(self) -> None:
+        """Stops every worker; requests still running fail with `EngineStoppedError`."""
+        if not self._running:
+            return
+        self._running = False
+        for req in list(self._requests.values()):
+            self._fail(req, EngineStoppedError("the engine is shutting down"))
+        for inst in list(self.instances.values()):
+            inst.stopping = True
+            if inst.handle is not None:
+                self._send(inst, Shutdown())
+        waits = [inst.stopped for inst in self.instances.values()]
+        if waits:
+            done, pending = await asyncio.wait(waits, timeout=10.0)
+            for inst in list(self.instances.values()):
+                if inst.handle is not None and not inst.stopped.done():
+                    inst.handle.kill()
+            if pending:
+                await asyncio.wait(pending, timeout=5.0)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._channel.close()
+
+    def now(self) -> float:
+        """Seconds on the scheduler's clock."""
+        return time.monotonic() - self._t0
+
+    # -- requests --------------------------------------------------------------------------
+
+    def add_request(
+        self, prompt: str | Sequence[int], params: GenerationParams | None = None
+    ) -> TrackedRequest:
+        """Admits a request; raises `BadRequestError` or `OverloadedError` at once."""
+        if not self._running:
+            raise EngineStoppedError("the engine is not running")
+        params = params or GenerationParams()
+        rid = self._next_request_id
+        state, slo = self.builder.build(rid, prompt, params)
+        now = self.now()
+        pinned = params.threshold
+        try:
+            self.scheduler.arrive(
+                rid,
+                arrival=now,
+                deadline=now + slo,
+                prompt_len=state.prompt_length,
+                output_len=state.output_length,
+                priority=params.priority,
+                block_size=state.block_length,
+                thresholds=None if pinned is None else [self._nearest_candidate(pinned)],
+            )
+        except AdmissionError as exc:
+            raise OverloadedError(str(exc)) from exc
+        except SchedulerError as exc:
+            raise BadRequestError(str(exc)) from exc
+        self._next_request_id += 1
+        req = TrackedRequest(state=state, arrival=now, slo_s=slo, pinned_tau=pinned)
+        self._requests[rid] = req
+        self._arrivals.append(Arrival(now, state.prompt_length, state.output_length))
+        while self._arrivals and self._arrivals[0].time < now - ARRIVAL_HISTORY_S:
+            self._arrivals.popleft()
+        self._wake.set()
+        return req
+
+    async def generate(
+        self, prompt: str | Sequence[int], params: GenerationParams | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields an update each time blocks are complete, the last with `finished` and
+        the request's statistics. Leaving the iteration early cancels the request."""
+        req = self.add_request(prompt, params)
+        finished = False
+        try:
+            while True:
+                item = await req.outputs.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.cancel(req.id)
+
+    async def complete(
+        self, prompt: str | Sequence[int], params: GenerationParams | None = None
+    ) -> RequestOutput:
+        """The final output of one request."""
+        outputs = [out async for out in self.generate(prompt, params)]
+        return outputs[-1]
+
+    def cancel(self, request_id: int) -> None:
+        """Stops a request and frees its capacity; a no-op for one already ended."""
+        req = self._requests.get(request_id)
+        if req is None and not 0 < request_id < self._next_request_id:
+            raise UnknownRequestError(f"no request {request_id} was ever issued")
+        if req is not None:
+            self._fail(req, RequestCancelledError(f"request {request_id} was cancelled"))
+            self._wake.set()
+
+    def stats_of(self, request_id: int) -> RequestStats | None:
+        """How a live request has been served so far; None once it has ended."""
+        req = self._requests.get(request_id)
+        return None if req is None else req.stats(self.now())
+
+    @property
+    def active_requests(self) -> int:
+        return len(self._requests)
+
+    def _nearest_candidate(self, tau: float) -> float:
+        return min(self.scheduler.thresholds, key=lambda c: abs(c - tau))
+
+    def _fail(self, req: TrackedRequest, error: BaseException) -> None:
+        """Ends a live request with `error`, freeing its capacity everywhere."""
+        self._requests.pop(req.id, None)
+        with contextlib.suppress(SchedulerError):  # not known there: refused at arrival
+            self.scheduler.cancel(req.id)
+        if req.home is not None and req.home in self.instances:
+            self.instances[req.home].release.append(req.id)
+        req.outputs.put_nowait(error)
+
+    def arrivals(self) -> list[Arrival]:
+        """Arrivals of the last `ARRIVAL_HISTORY_S` seconds (the planner's input)."""
+        return list(self._arrivals)
+
+    # -- instances -------------------------------------------------------------------------
+
+    async def scale_to(self, targets: dict[int, int]) -> None:
+        """Reconfigures to `targets` instances per TP degree while serving."""
+        await self.reconfigurer.scale_to(targets)
+
+    async def _replan_every(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.reconfigurer.replan(interval_s)
+            except Exception:
+                log.exception("periodic replan failed")
+
+    async def launch_instance(self, tp: int, gpus: tuple[int, ...], node: int = 0) -> int:
+        """Starts an instance and returns its id once it serves."""
+        inst = InstanceRecord(next(self._instance_ids), tp, gpus, node)
+        self.instances[inst.id] = inst
+        await self._start_worker(inst)
+        await asyncio.wait_for(asyncio.shield(inst.started), READY_TIMEOUT_S)
+        if inst.id not in self.instances:
+            raise EngineStoppedError(f"instance {inst.id} failed to start")
+        return inst.id
+
+    async def stop_instance(self, instance_id: int) -> None:
+        """Drains an instance (its requests migrate away at their next recompute step),
+        then stops its worker; returns once it has exited."""
+        inst = self.instances[instance_id]
+        inst.stopping = True
+        if inst.registered:
+            self.scheduler.drain_instance(instance_id)
+        elif inst.handle is not None:
+            inst.handle.kill()
+        self._wake.set()
+        await asyncio.shield(inst.stopped)
+
+    async def _start_worker(self, inst: InstanceRecord) -> None:
+        c = self.config
+        if inst.started.done():
+            inst.started = asyncio.get_running_loop().create_future()
+        worker_id = next(self._worker_ids)
+        spec = WorkerSpec(
+            instance=inst.id,
+            worker_id=worker_id,
+            endpoint=self._channel.endpoint,
+            model=self.model_dir,
+            cache=c.cache,
+            max_requests=c.max_requests_per_instance,
+            tp=inst.tp,
+            dtype=c.dtype,
+            device=c.device if c.device == "cpu" else f"{c.device}:{inst.gpus[0]}",
+            threads=c.worker_threads,
+        )
+        handle = await self.launcher.launch(spec)
+        inst.handle = handle
+        self._workers[worker_id] = inst
+        self._tasks.append(asyncio.get_running_loop().create_task(self._watch(inst, handle)))
+
+    async def _watch(self, inst: InstanceRecord, handle: WorkerHandle) -> None:
+        code = await handle.wait()
+        self._on_exit(inst, handle, code)
+
+    def _on_exit(self, inst: InstanceRecord, handle: WorkerHandle, code: int) -> None:
+        self._workers.pop(handle.spec.worker_id, None)
+        if inst.handle is not handle:
+            return
+        inst.handle = None
+        self._forget(inst)
+        if inst.stopping or not self._running:
+            log.info("instance %d stopped (exit code %d)", inst.id, code)
+            self._retire(inst)
+            return
+        log.error("instance %d: worker died (exit code %d); restarting", inst.id, code)
+        inst.restarts += 1
+        self.restarts += 1
+        if inst.restarts > self.config.max_restarts:
+            log.error("instance %d: restarted %d times; giving it up", inst.id, inst.restarts - 1)
+            self._retire(inst)
+        else:
+            self._tasks.append(asyncio.get_running_loop().create_task(self._start_worker(inst)))
+        self._wake.set()
+
+    def _forget(self, inst: InstanceRecord) -> None:
+        """The instance's worker is gone: its requests resume elsewhere from the engine's
+        copy of their token state."""
+        if inst.registered:
+            self.scheduler.remove_instance(inst.id)
+            inst.registered = False
+        if inst.inflight is not None:
+            for rid in inst.inflight.requests:
+                if rid in self._requests:
+                    self._requests[rid].undo_dispatch()
+            inst.inflight = None
+        for req in self._requests.values():
+            if req.home == inst.id:
+                req.home = None
+        inst.release.clear()
+
+    def _retire(self, inst: InstanceRecord) -> None:
+        self.instances.pop(inst.id, None)
+        for future in (inst.started, inst.stopped):
+            if not future.done():
+                future.set_result(None)
+        if self._running and not self.instances:
+            for req in list(self._requests.values()):
+                self._fail(req, EngineStoppedError("no instance is left to serve requests"))
+
+    # -- worker messages -------------------------------------------------------------------
+
+    def _on_message(self, worker_id: int, message: WorkerMessage) -> None:
+        inst = self._workers.get(worker_id)
+        if inst is None or inst.handle is None or inst.handle.spec.worker_id != worker_id:
+            log.warning("message from unknown worker %d ignored", worker_id)
+            return
+        if isinstance(message, StepReport):
+            self._on_report(inst, message)
+        elif isinstance(message, WorkerReady):
+            self._on_ready(inst, message)
+        elif isinstance(message, WorkerLeaving):
+            log.info("instance %d asked to stop; draining it", inst.id)
+            inst.stopping = True
+            if inst.registered:
+                self.scheduler.drain_instance(inst.id)
+        self._wake.set()
+
+    def _on_ready(self, inst: InstanceRecord, ready: WorkerReady) -> None:
+        inst.ready = ready
+        self.scheduler.add_instance(
+            inst.id,
+            tp=inst.tp,
+            gpus=list(inst.gpus),
+            node=inst.node,
+            kv_tokens=ready.kv_tokens,
+            max_requests=ready.max_requests,
+            max_batch_tokens=self.config.max_batch_tokens,
+        )
+        inst.registered = True
+        if inst.stopping:
+            self.scheduler.drain_instance(inst.id)
+        if not inst.started.done():
+            inst.started.set_result(None)
+        log.info("instance %d ready (pid %d, %s)", inst.id, ready.pid, ready.device)
+
+    def _on_report(self, inst: InstanceRecord, report: StepReport) -> None:
+        step = inst.inflight
+        if step is None or report.step != step.number:
+            return  # a reply to a command whose step was aborted meanwhile
+        inst.inflight = None
+        now = self.now()
+        measured = now - step.sent_at
+        inst.reported_at = (now, self._rounds + 1)
+        if report.failure is not None:
+            log.error("instance %d: step %d failed: %s", inst.id, step.number, report.failure)
+            self._abort(inst)
+            return
+        for error in report.errors:
+            req = self._requests.get(error.request_id)
+            if req is not None:
+                self._fail(req, RequestFailedError(error.message))
+        results = []
+        stepped = []
+        for out in report.outputs:
+            req = self._requests.get(out.request_id)
+            if req is None:
+                continue  # cancelled while its step ran
+            req.apply(out)
+            stepped.append(req)
+            results.append(
+                StepResult(
+                    out.request_id, len(out.committed_tokens), out.confidence_stats, out.done
+                )
+            )
+        finished = {f.id for f in self.scheduler.step_done(inst.id, measured, results)}
+        times = self.step_times
+        times.steps += 1
+        times.worker_s += report.seconds
+        times.round_trip_s += measured
+        for req in stepped:
+            if req.id in finished:
+                self._requests.pop(req.id)
+                inst.release.append(req.id)
+                req.outputs.put_nowait(req.finish(self._decode(req.state.generated_ids()), now))
+            elif req.new_blocks():
+                ids = req.complete_ids()
+                req.outputs.put_nowait(req.update(ids, self._decode(ids)))
+
+    def _abort(self, inst: InstanceRecord) -> None:
+        """The step in flight on `inst` did not happen: its requests run again (from the
+        engine's copy), a request whose steps keep failing fails alone."""
+        inst.inflight = None
+        for rid in self.scheduler.abort_step(inst.id):
+            req = self._requests.get(rid)
+            if req is None:
+                continue
+            req.undo_dispatch()
+            req.home = None
+            inst.release.append(rid)
+            req.failed_steps += 1
+            if req.failed_steps >= self.config.max_step_retries:
+                self._fail(req, RequestFailedError(f"request {rid}: its step failed repeatedly"))
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # -- the loop --------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            try:
+                self._round()
+            except Exception:
+                log.exception("scheduling round failed")
+
+    def _round(self) -> None:
+        self._rounds += 1
+        now = self.now()
+        decisions = self.scheduler.schedule(now)
+        for m in decisions.migrations:
+            req = self._requests.get(m.request)
+            if req is None:
+                continue
+            req.migrations += 1
+            if req.home == m.from_instance:
+                self.instances[m.from_instance].release.append(m.request)
+                req.home = None
+        for batch in decisions.batches:
+            self._dispatch(self.instances[batch.instance], batch.entries, now)
+        for instance_id in self.scheduler.drained_instances():
+            inst = self.instances.get(instance_id)
+            if inst is not None and inst.stopping and not inst.shutdown_sent:
+                self._forget(inst)
+                inst.shutdown_sent = True
+                self._send(inst, Shutdown())
+
+    def _dispatch(self, inst: InstanceRecord, entries: Sequence, now: float) -> None:
+        command = StepCommand(step=next(self._step_numbers), release=inst.release)
+        inst.release = []
+        for e in entries:
+            req = self._requests[e.request]
+            tau = req.pinned_tau if req.pinned_tau is not None else e.tau
+            if req.home != inst.id:
+                if req.home is not None and req.home in self.instances:
+                    self.instances[req.home].release.append(req.id)
+                command.admit.append(req.state.copy())
+                req.home = inst.id
+            req.dispatched(inst.id, tau, now)
+            command.entries.append(StepEntry(req.id, tau, StepKind(e.kind)))
+        sent = self.now()
+        inst.inflight = InflightStep(command.step, sent, [e.request_id for e in command.entries])
+        if inst.reported_at is not None and inst.reported_at[1] == self._rounds:
+            self.step_times.dispatch_gap_s += sent - inst.reported_at[0]
+        inst.reported_at = None
+        if not self._send(inst, command):
+            self._abort(inst)
+
+    def _send(self, inst: InstanceRecord, message: StepCommand | Shutdown) -> bool:
+        if inst.handle is None:
+            return False
+        try:
+            self._channel.send(inst.handle.spec.worker_id, message)
+        except SendError as exc:
+            log.error("instance %d: %s", inst.id, exc)
+            return False
+        return True

@@ -1,0 +1,62 @@
+"""What the engine keeps per instance: placement, its worker, the step in flight, and the
+step-time accounting behind `engine_overhead_frac`."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from dilaserve.protocol import WorkerReady
+
+from .launcher import WorkerHandle
+
+
+@dataclass
+class InflightStep:
+    number: int
+    sent_at: float
+    requests: list[int]
+
+
+@dataclass
+class StepTimes:
+    """Where the wall time of steps goes, summed over every completed step: the worker's
+    own step execution, the rest of the round trip (transport, serialization, command
+    handling), and the gap from a report to the instance's next command (engine work)."""
+
+    steps: int = 0
+    worker_s: float = 0.0
+    round_trip_s: float = 0.0
+    dispatch_gap_s: float = 0.0
+
+    @property
+    def overhead_frac(self) -> float:
+        """Share of step wall time spent outside the workers' step execution."""
+        wall = self.round_trip_s + self.dispatch_gap_s
+        return (wall - self.worker_s) / wall if wall > 0 else 0.0
+
+
+@dataclass
+class InstanceRecord:
+    """One instance as the engine runs it: placement, its worker, its step in flight."""
+
+    id: int
+    tp: int
+    gpus: tuple[int, ...]
+    node: int
+    handle: WorkerHandle | None = None
+    ready: WorkerReady | None = None
+    #: Known to the scheduler (ready and not removed).
+    registered: bool = False
+    #: Planned stop or SIGTERM: drain, then shut down.
+    stopping: bool = False
+    shutdown_sent: bool = False
+    restarts: int = 0
+    inflight: InflightStep | None = None
+    #: When its last report came in and the round that handles it: a step sent in that
+    #: round followed its predecessor without waiting for work.
+    reported_at: tuple[float, int] | None = None
+    #: Requests that left this instance; released with its next command.
+    release: list[int] = field(default_factory=list)
+    started: asyncio.Future[None] = field(default_factory=lambda: asyncio.Future())
+    stopped: asyncio.Future[None] = field(default_factory=lambda: asyncio.Future())

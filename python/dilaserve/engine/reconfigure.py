@@ -1,0 +1,122 @@
+"""Live reconfiguration (DESIGN §7): plan a new instance layout and execute the planner's
+Stage-2 sequence while serving — launch (start the worker, wait until ready, announce it
+to the scheduler), drain by migration, stop once empty."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from dilaserve.planner import (
+    DEFAULT_BATCH_TOKENS,
+    FAST_DLLM_THRESHOLDS,
+    Deployment,
+    Instance,
+    LaunchAction,
+    Plan,
+    PlannerConfig,
+    PlannerInputs,
+    ThresholdOption,
+    TransitionPlan,
+    classes_from_arrivals,
+    mean_isolated_latency,
+    plan,
+    plan_transition,
+)
+from dilaserve.protocol import CacheMode
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+class Reconfigurer:
+    """Executes layout changes of one engine, one at a time."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._lock = asyncio.Lock()
+        #: The last plan computed by `replan`, adopted or not.
+        self.last_plan: Plan | None = None
+        self.runs = 0
+        self.solve_seconds = 0.0
+
+    def deployment(self) -> tuple[Deployment, list[int]]:
+        """The running layout as the planner sees it, and the instance id of each entry."""
+        running = sorted(
+            (i for i in self.engine.instances.values() if not i.stopping),
+            key=lambda i: i.id,
+        )
+        c = self.engine.config
+        degrees = {i.tp for i in running}
+        deployment = Deployment(
+            instances=tuple(Instance(i.node, i.tp, i.gpus) for i in running),
+            batch_tokens={d: c.max_batch_tokens for d in degrees},
+        )
+        return deployment, [i.id for i in running]
+
+    async def scale_to(self, targets: Mapping[int, int]) -> TransitionPlan:
+        """Moves to `targets` instances per TP degree, keeping running instances where it
+        can; returns once every launch is serving and every stopped instance has exited."""
+        async with self._lock:
+            current, ids = self.deployment()
+            transition = await asyncio.to_thread(
+                plan_transition, [self.engine.config.slots], targets, current
+            )
+            await self._execute(transition, ids)
+            return transition
+
+    async def replan(self, window_s: float) -> Plan | None:
+        """Plans for the arrivals of the last `window_s` seconds and, if the planner adopts
+        the new plan, executes its transition."""
+        engine, c = self.engine, self.engine.config
+        now = engine.now()
+        arrivals = [a for a in engine.arrivals() if a.time >= now - window_s]
+        if not arrivals:
+            return None
+        async with self._lock:
+            current, ids = self.deployment()
+            thresholds = self._threshold_options()
+            caching = c.cache is not CacheMode.NONE
+            isolated = mean_isolated_latency(
+                engine.profile, arrivals, thresholds[-1].tokens_per_step, caching, c.block_length
+            )
+            inputs = PlannerInputs(
+                classes=classes_from_arrivals(arrivals, now - window_s, now),
+                node_gpus=[c.slots],
+                config=PlannerConfig(
+                    slo_seconds=c.slo_scale * isolated,
+                    degrees=c.planner_degrees,
+                    batch_tokens=tuple(sorted({*DEFAULT_BATCH_TOKENS, c.max_batch_tokens})),
+                    caching=caching,
+                    block_length=c.block_length,
+                ),
+                thresholds=thresholds,
+                current=current,
+            )
+            result = await asyncio.to_thread(plan, inputs, engine.profile)
+            self.last_plan = result
+            self.runs += 1
+            self.solve_seconds += result.stage1_seconds + result.stage2_seconds
+            log.info("replan: %s", result.reason)
+            if result.adopted and result.transition is not None:
+                await self._execute(result.transition, ids)
+            return result
+
+    def _threshold_options(self) -> list[ThresholdOption]:
+        rates = self.engine.config.predictor_rates
+        if rates is None:
+            return list(FAST_DLLM_THRESHOLDS)
+        return [ThresholdOption(t, r) for t, r in sorted(rates)]
+
+    async def _execute(self, transition: TransitionPlan, ids: list[int]) -> None:
+        for action in transition.actions:
+            if isinstance(action, LaunchAction):
+                log.info("reconfigure: launch TP-%d on %s", action.degree, action.gpus)
+                await self.engine.launch_instance(action.degree, action.gpus, action.node)
+            else:
+                log.info("reconfigure: stop instance %d", ids[action.instance])
+                await self.engine.stop_instance(ids[action.instance])

@@ -1,0 +1,90 @@
+"""The engine's end of the worker channel: one ZeroMQ ROUTER socket, msgpack frames.
+
+Every worker process connects a DEALER socket whose identity is its worker id (unique per
+process start), so a restarted instance is never confused with its dead predecessor.
+Sends never block the engine loop: a frame to a worker that is gone fails at once
+(`ROUTER_MANDATORY`), which the engine treats as a failed step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+
+import zmq
+import zmq.asyncio
+
+from dilaserve.protocol import (
+    EngineMessage,
+    ProtocolError,
+    WorkerMessage,
+    decode_worker_message,
+    encode,
+)
+
+log = logging.getLogger(__name__)
+
+
+class SendError(RuntimeError):
+    """A frame could not be handed to the worker (it is not connected)."""
+
+
+class WorkerChannel:
+    def __init__(self, on_message: Callable[[int, WorkerMessage], None]) -> None:
+        self._on_message = on_message
+        self._context = zmq.asyncio.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._dir = tempfile.mkdtemp(prefix="dilaserve-")
+        self.endpoint = f"ipc://{self._dir}/engine.sock"
+        self._socket.bind(self.endpoint)
+        self._reader: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    def send(self, worker_id: int, message: EngineMessage) -> None:
+        frames = [str(worker_id).encode(), encode(message)]
+        try:
+            sent = self._socket.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            raise SendError(f"worker {worker_id}: {exc}") from exc
+        if sent.done() and sent.exception() is not None:
+            raise SendError(f"worker {worker_id}: {sent.exception()}")
+        # A send that completes later and fails means the worker is gone; its exit is
+        # handled where the engine watches the process.
+        sent.add_done_callback(_log_failed_send)
+
+    async def _read(self) -> None:
+        while True:
+            identity, frame = await self._socket.recv_multipart()
+            try:
+                worker_id = int(identity)
+                message = decode_worker_message(frame)
+            except (ValueError, ProtocolError) as exc:
+                log.error("dropping a frame from %r: %s", identity, exc)
+                continue
+            self._on_message(worker_id, message)
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        self._socket.close()
+        self._context.term()
+        try:
+            os.unlink(self.endpoint.removeprefix("ipc://"))
+            os.rmdir(self._dir)
+        except OSError:
+            pass
+
+
+def _log_failed_send(sent: asyncio.Future[object]) -> None:
+    if not sent.cancelled() and sent.exception() is not None:
+        log.warning("a frame to a worker was not delivered: %s", sent.exception())

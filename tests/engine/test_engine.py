@@ -1,0 +1,222 @@
+"""The engine end to end on dilaserve-tiny: worker processes over ZeroMQ, the Rust
+scheduler, migration, reconfiguration, faults and bad input. No assertion depends on
+wall-clock speed: every test checks what was answered, not how fast."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+from tiny_problems import PINNED_TAU, decode_alone, solvable
+
+from dilaserve.engine import (
+    LLM,
+    BadRequestError,
+    EngineConfig,
+    GenerationParams,
+    RequestCancelledError,
+    UnknownRequestError,
+)
+from dilaserve.tiny.evaluate import gen_length
+from dilaserve.tiny.tasks import check, make_problems
+
+SEED = 424_242
+
+
+def params(problem, **kw) -> GenerationParams:
+    return GenerationParams(max_tokens=gen_length(problem, 32), **kw)
+
+
+async def complete_all(engine, problems, **kw):
+    return await asyncio.gather(*(engine.complete(p.prompt, params(p, **kw)) for p in problems))
+
+
+def test_concurrent_requests_equal_decoding_alone(make_engine):
+    h = make_engine(instances=(1, 1, 1))
+    problems = make_problems(200, SEED)
+    outputs = h.run(complete_all(h.engine, problems))
+    visited = set()
+    for problem, out in zip(problems, outputs, strict=True):
+        assert out.finished and out.stats is not None
+        ref = decode_alone(problem.prompt, gen_length(problem, 32), out.stats.taus)
+        assert out.token_ids == ref.output_ids, problem
+        assert out.stats.steps == ref.steps
+        assert out.text == h.engine.tokenizer.decode(ref.output_ids, skip_special_tokens=True)
+        visited.update(out.stats.instances)
+    assert visited == {0, 1, 2}
+    assert h.engine.active_requests == 0
+
+
+def test_stream_sends_each_block_once_and_never_changes_it(make_engine):
+    h = make_engine(instances=(1,))
+    (problem,) = make_problems(1, SEED, tasks=("tr",))
+
+    async def stream():
+        return [o async for o in h.engine.generate(problem.prompt, params(problem))]
+
+    updates = h.run(stream())
+    assert len(updates) >= 4  # four 32-letter blocks, then the end
+    for before, after in zip(updates, updates[1:], strict=False):
+        assert after.text.startswith(before.text)
+        assert after.text == before.text + after.delta
+    assert updates[-1].finished and updates[-1].finish_reason == "stop"
+    assert check(problem, updates[-1].text)
+    assert all(not u.finished for u in updates[:-1])
+
+
+PINNED = {"threshold": PINNED_TAU}
+
+
+def test_killed_worker_loses_no_request(make_engine):
+    h = make_engine(instances=(1, 1))
+    problems = solvable(30, SEED + 1)
+
+    async def scenario():
+        tasks = [
+            asyncio.ensure_future(h.engine.complete(p.prompt, params(p, **PINNED)))
+            for p in problems
+        ]
+        engine = h.engine
+        while not any(r.home == 0 and r.state.steps_done for r in engine._requests.values()):
+            await asyncio.sleep(0.001)
+        engine.instances[0].handle.kill()
+        return await asyncio.gather(*tasks)
+
+    outputs = h.run(scenario())
+    assert all(check(p, o.text) for p, o in zip(problems, outputs, strict=True))
+    assert h.engine.restarts == 1
+    h.run(asyncio.wait_for(asyncio.shield(h.engine.instances[0].started), 120))
+    assert h.engine.instances[0].registered
+    # The restarted instance serves again.
+    (p,) = make_problems(1, SEED + 2, tasks=("add",))
+    assert check(p, h.run(h.engine.complete(p.prompt, params(p))).text)
+
+
+def test_sigterm_drains_the_worker_and_stops_it_cleanly(make_engine):
+    h = make_engine(instances=(1, 1))
+    problems = solvable(20, SEED + 1)
+
+    async def scenario():
+        tasks = [
+            asyncio.ensure_future(h.engine.complete(p.prompt, params(p, **PINNED)))
+            for p in problems
+        ]
+        engine = h.engine
+        while not any(r.home == 1 and r.state.steps_done for r in engine._requests.values()):
+            await asyncio.sleep(0.001)
+        inst = engine.instances[1]
+        handle = inst.handle
+        handle.terminate()
+        outputs = await asyncio.gather(*tasks)
+        await asyncio.wait_for(asyncio.shield(inst.stopped), 60)
+        return outputs, await handle.wait()
+
+    outputs, code = h.run(scenario())
+    assert code == 0
+    assert all(check(p, o.text) for p, o in zip(problems, outputs, strict=True))
+    assert set(h.engine.instances) == {0} and h.engine.restarts == 0
+
+
+def test_reconfiguration_under_load_loses_nothing(make_engine):
+    h = make_engine(instances=(1, 1), device_slots=3)
+    problems = solvable(80, SEED + 1)
+
+    async def scenario():
+        engine = h.engine
+        done: list = []
+        reconfigured = asyncio.Event()
+
+        async def client(k: int) -> None:  # keeps one request in flight until the end
+            for i in itertools.count(k, 8):
+                p = problems[i % len(problems)]
+                done.append((p, await engine.complete(p.prompt, params(p, **PINNED))))
+                if reconfigured.is_set():
+                    return
+
+        clients = [asyncio.ensure_future(client(k)) for k in range(8)]
+        await engine.scale_to({1: 3})
+        assert len(engine.instances) == 3
+        while not engine.scheduler.instance(2).steps_run:
+            await asyncio.sleep(0.001)
+        await engine.scale_to({1: 1})
+        assert len(engine.instances) == 1
+        reconfigured.set()
+        await asyncio.gather(*clients)
+        return done
+
+    done = h.run(scenario())
+    assert all(check(p, o.text) for p, o in done)
+    assert any(o.stats.migrations for _, o in done)
+    assert any(2 in o.stats.instances for _, o in done)
+
+
+def test_cancel_frees_capacity(make_engine):
+    h = make_engine(instances=(1,), max_requests_per_instance=2)
+    long_a, long_b = make_problems(2, SEED + 3, tasks=("tr",))
+    (short,) = make_problems(1, SEED + 4, tasks=("add",))
+    pinned = {"threshold": 1.0}  # one token per step: these two run for a long while
+
+    async def scenario():
+        engine = h.engine
+        a = engine.add_request(long_a.prompt, params(long_a, **pinned))
+        b = engine.add_request(long_b.prompt, params(long_b, **pinned))
+        while not (a.state.steps_done and b.state.steps_done):
+            await asyncio.sleep(0.001)
+        third = asyncio.ensure_future(engine.complete(short.prompt, params(short)))
+        await asyncio.sleep(0.05)
+        assert not third.done()  # both KV slots are taken
+        engine.cancel(a.id)
+        out = await third
+        assert b.id in engine._requests, "the short request waited for the long one"
+        engine.cancel(b.id)
+        return out, a.outputs.get_nowait()
+
+    out, cancelled = h.run(scenario())
+    assert check(short, out.text)
+    assert isinstance(cancelled, RequestCancelledError)
+    assert h.engine.active_requests == 0
+    assert h.call(h.engine.scheduler.instance, 0).residents == 0
+
+
+@pytest.mark.parametrize(
+    "prompt, kw, message",
+    [
+        ("", {}, "empty"),
+        ("1" * 600, {}, "context"),
+        ("12+34=", {"threshold": 0.0}, "threshold"),
+        ("12+34=", {"threshold": 1.5}, "threshold"),
+        ("12+34=", {"max_tokens": 0}, "max_tokens"),
+        ("12+34=", {"slo_s": -1.0}, "slo_s"),
+        ("€", {}, "represent"),
+    ],
+)
+def test_bad_requests_get_typed_errors(shared_engine, prompt, kw, message):
+    h = shared_engine
+    with pytest.raises(BadRequestError, match=message):
+        h.call(h.engine.add_request, prompt, GenerationParams(**kw))
+
+
+def test_bad_requests_do_not_disturb_others(shared_engine):
+    h = shared_engine
+    (p,) = make_problems(1, SEED + 5, tasks=("add",))
+
+    async def scenario():
+        good = asyncio.ensure_future(h.engine.complete(p.prompt, params(p)))
+        for bad in ("", "€", "1" * 600):
+            with pytest.raises(BadRequestError):
+                h.engine.add_request(bad)
+        with pytest.raises(UnknownRequestError):
+            h.engine.cancel(10**9)
+        return await good
+
+    assert check(p, h.run(scenario()).text)
+
+
+def test_offline_llm_answers_in_prompt_order(tiny_profile):
+    problems = make_problems(8, SEED + 6, tasks=("add",))
+    config = EngineConfig(profile=tiny_profile, instances=(1, 1), threads_per_worker=1)
+    with LLM(config) as llm:
+        outputs = llm.generate([p.prompt for p in problems], GenerationParams(max_tokens=32))
+    assert [check(p, o.text) for p, o in zip(problems, outputs, strict=True)] == [True] * 8
+    assert all(o.stats.slo_s > 0 for o in outputs)
