@@ -12,15 +12,11 @@ build-deps:
 install: build-deps
 	$(PYTHON) -m pip install -e '.[test]'
 
-# The main job. Until the HTTP server exists it answers a prompt with the embedded
-# dilaserve-tiny model and profiles that model on this device, which runs the whole worker
-# path (loader, runner, kernels).
-RUN_DIR ?= $(HOME)/.cache/dilaserve/run
+# The main job: the OpenAI-compatible server on the embedded dilaserve-tiny, with the
+# instances that fit this machine, on http://127.0.0.1:8000 until Ctrl-C.
 run: build-deps
 	$(PYTHON) -m pip install -e .
-	mkdir -p $(RUN_DIR)
-	dilaserve generate --stats "12345+67890="
-	dilaserve profile --output $(RUN_DIR)/profile.json
+	dilaserve serve
 
 test: install test-rust test-python
 

@@ -6,10 +6,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from dilaserve.cli import eval, generate, plan, predictor, profile, train_tiny
+from dilaserve.cli import bench, eval, generate, plan, predictor, profile, serve, train_tiny
 
 # Each module registers its subcommand; adding a command is one file and one line here.
-COMMANDS = [profile, plan, train_tiny, generate, eval, predictor]
+COMMANDS = [serve, bench, generate, eval, profile, plan, train_tiny, predictor]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -59,6 +59,12 @@ def build_tokenizer() -> Tokenizer:
     return tokenizer
 
 
+# The model knows no roles: a chat turn is the task prompt of the user's messages.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}{% endfor %}"
+)
+
+
 def save_tokenizer(directory: str | Path, *, max_length: int) -> None:
     """Writes `tokenizer.json`, `tokenizer_config.json` and `special_tokens_map.json`."""
     directory = Path(directory)
@@ -77,4 +83,5 @@ def save_tokenizer(directory: str | Path, *, max_length: int) -> None:
         tokenizer_class="PreTrainedTokenizerFast",
         clean_up_tokenization_spaces=False,
         model_max_length=max_length,
+        chat_template=CHAT_TEMPLATE,
     )

@@ -1,0 +1,7 @@
+"""`dilaserve bench`: a load generator that replays arrivals against the server and
+reports SLO attainment, latency, throughput, accuracy and τ per policy and rate."""
+
+from .report import Summary, plot, summarize
+from .sweep import POLICY_FLAGS, SweepSpec, run_sweep
+
+__all__ = ["POLICY_FLAGS", "Summary", "SweepSpec", "plot", "run_sweep", "summarize"]

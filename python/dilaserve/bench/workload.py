@@ -1,0 +1,83 @@
+"""What a benchmark sends: arrival times (Poisson, Gamma, or a replayed trace) and, for
+each arrival, a task problem of the embedded model's suite, so every answer is checked."""
+
+from __future__ import annotations
+
+import csv
+import random
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from dilaserve.tiny.tasks import Problem, make_problems
+
+#: Tasks by answer length, used to match a trace's output lengths.
+TASKS_BY_LENGTH = (("add", 5), ("rep", 8), ("draw", 8), ("tr", 128))
+
+
+@dataclass(frozen=True)
+class Arrival:
+    time: float
+    problem: Problem
+
+
+def poisson_times(rate: float, duration: float, rng: random.Random) -> list[float]:
+    times, t = [], rng.expovariate(rate)
+    while t < duration:
+        times.append(t)
+        t += rng.expovariate(rate)
+    return times
+
+
+def gamma_times(rate: float, cv: float, duration: float, rng: random.Random) -> list[float]:
+    """Bursty arrivals: Gamma inter-arrival times with mean 1/rate and coefficient of
+    variation `cv` (BurstGPT's shape; cv = 1 is Poisson)."""
+    shape = 1.0 / (cv * cv)
+    times, t = [], rng.gammavariate(shape, 1.0 / (rate * shape))
+    while t < duration:
+        times.append(t)
+        t += rng.gammavariate(shape, 1.0 / (rate * shape))
+    return times
+
+
+def read_trace(path: str | Path) -> list[tuple[float, int, int]]:
+    """`(seconds since the first request, context tokens, generated tokens)` of an Azure
+    LLM trace CSV (`TIMESTAMP, ContextTokens, GeneratedTokens`)."""
+    rows = []
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            stamp = datetime.fromisoformat(row["TIMESTAMP"].strip()[:26])
+            rows.append((stamp.timestamp(), int(row["ContextTokens"]), int(row["GeneratedTokens"])))
+    if not rows:
+        raise ValueError(f"{path}: no requests")
+    start = min(r[0] for r in rows)
+    return sorted((t - start, c, g) for t, c, g in rows)
+
+
+def trace_arrivals(
+    trace: list[tuple[float, int, int]],
+    rate: float,
+    duration: float,
+    length_scale: float,
+    rng: random.Random,
+) -> list[Arrival]:
+    """The trace's arrival pattern compressed in time to `rate` requests per second (its
+    bursts kept), cut at `duration`; each output length, times `length_scale`, picks the
+    task whose answers are closest in length."""
+    span = trace[-1][0] or 1.0
+    scale = len(trace) / span / rate  # trace seconds per benchmark second
+    arrivals = []
+    for t, _, generated in trace:
+        when = t / scale
+        if when >= duration:
+            break
+        target = generated * length_scale
+        task = min(TASKS_BY_LENGTH, key=lambda tl: abs(tl[1] - target))[0]
+        (problem,) = make_problems(1, rng.randrange(1 << 30), tasks=(task,))
+        arrivals.append(Arrival(when, problem))
+    return arrivals
+
+
+def task_arrivals(times: list[float], seed: int) -> list[Arrival]:
+    """Arrivals at `times`, each with a problem of the evaluated task mix."""
+    return [Arrival(t, p) for t, p in zip(times, make_problems(len(times), seed), strict=True)]

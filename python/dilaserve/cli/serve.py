@@ -1,0 +1,174 @@
+"""`dilaserve serve`: the OpenAI-compatible server on one model (the embedded
+dilaserve-tiny by default), configured by flags or the same keys in a TOML file."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import tomllib
+from pathlib import Path
+
+import torch
+
+from dilaserve.engine import Engine, EngineConfig
+from dilaserve.protocol import CacheMode
+from dilaserve.scheduler import Policy
+from dilaserve.server import ServerSettings, bind, serve
+from dilaserve.tiny import MODEL_NAME
+
+# Flag defaults; a TOML file (`--config`) overrides them, explicit flags override both.
+DEFAULTS = {
+    "model": None,
+    "served_model_name": None,
+    "instances": None,
+    "device_slots": None,
+    "cache": "dual",
+    "slo_scale": 5.0,
+    "policy": "dilaserve",
+    "fixed_threshold": 0.9,
+    "no_load_control": False,
+    "no_migration": False,
+    "one_shot": False,
+    "max_queued": None,
+    "max_requests_per_instance": 64,
+    "max_batch_tokens": 8192,
+    "profile": None,
+    "replan_interval": None,
+    "dtype": "float32",
+    "device": None,
+    "host": "127.0.0.1",
+    "port": 8000,
+    "api_key": None,
+    "max_body_bytes": 1 << 20,
+    "log_level": "info",
+}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description=__doc__,
+        argument_default=argparse.SUPPRESS,
+    )
+    p.add_argument("--config", help="TOML file with any of the keys below (dashes as _)")
+    p.add_argument("--model", help=f"checkpoint directory (default: {MODEL_NAME})")
+    p.add_argument("--served-model-name", help="name clients use (default: directory name)")
+    p.add_argument(
+        "--instances",
+        help='instances as COUNTxTP, comma-separated, e.g. "2x1,1x2" (default: what fits '
+        "this machine: one TP-1 instance per GPU, or per CPU core up to 2)",
+    )
+    p.add_argument("--device-slots", type=int, help="GPUs (or CPU slots) instances may use")
+    p.add_argument("--cache", choices=[m.value for m in CacheMode])
+    p.add_argument("--slo-scale", type=float, help="default SLO = scale x isolated latency")
+    p.add_argument("--policy", choices=["dilaserve", "infaas", "llumnix"])
+    p.add_argument("--fixed-threshold", type=float, help="the baselines' fixed τ (0.9)")
+    p.add_argument("--no-load-control", action="store_true", help="ablation")
+    p.add_argument("--no-migration", action="store_true", help="ablation")
+    p.add_argument("--one-shot", action="store_true", help="ablation: one-shot prediction")
+    p.add_argument("--max-queued", type=int, help="admission: queue bound when overloaded")
+    p.add_argument("--max-requests-per-instance", type=int, help="KV slots per instance")
+    p.add_argument("--max-batch-tokens", type=int)
+    p.add_argument("--profile", help="latency profile JSON (default: measured at start-up)")
+    p.add_argument("--replan-interval", type=float, help="seconds between cluster re-plans")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` (or DILASERVE_API_KEY)")
+    p.add_argument("--max-body-bytes", type=int)
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(run=run)
+
+
+def settings_from(args: argparse.Namespace) -> dict:
+    """Defaults, then the TOML file, then the flags given."""
+    values = dict(DEFAULTS)
+    given = vars(args)
+    if "config" in given:
+        with open(given["config"], "rb") as f:
+            table = tomllib.load(f)
+        unknown = set(table) - set(DEFAULTS)
+        if unknown:
+            raise ValueError(f"{given['config']}: unknown keys {sorted(unknown)}")
+        values |= table
+    values |= {k: v for k, v in given.items() if k in DEFAULTS}
+    return values
+
+
+def parse_instances(spec: str) -> tuple[int, ...]:
+    """'2x1,1x2' -> (1, 1, 2)."""
+    degrees: list[int] = []
+    for part in spec.split(","):
+        try:
+            count, tp = (int(x) for x in part.strip().lower().split("x"))
+        except ValueError:
+            raise ValueError(f"--instances: {part!r} is not COUNTxTP") from None
+        if count <= 0 or tp <= 0:
+            raise ValueError(f"--instances: {part!r} needs positive numbers")
+        degrees += [tp] * count
+    return tuple(degrees)
+
+
+def policy_from(values: dict) -> Policy:
+    tau = values["fixed_threshold"]
+    policy = {
+        "dilaserve": Policy.dilaserve(),
+        "infaas": Policy.infaas_like(tau),
+        "llumnix": Policy.llumnix_like(tau),
+    }[values["policy"]]
+    if values["no_load_control"]:
+        policy = policy.without_load_control()
+    if values["no_migration"]:
+        policy = policy.without_migration()
+    if values["one_shot"]:
+        policy = policy.one_shot()
+    return policy
+
+
+def engine_config(values: dict) -> EngineConfig:
+    device = values["device"] or ("cuda" if torch.cuda.is_available() else "cpu")
+    if values["instances"]:
+        instances = parse_instances(values["instances"])
+    elif device == "cuda":
+        instances = (1,) * torch.cuda.device_count()
+    else:
+        instances = (1,) * min(2, os.cpu_count() or 1)
+    return EngineConfig(
+        model=values["model"],
+        instances=instances,
+        device_slots=values["device_slots"],
+        cache=CacheMode(values["cache"]),
+        dtype=values["dtype"],
+        device=device,
+        slo_scale=values["slo_scale"],
+        policy=policy_from(values),
+        max_queued=values["max_queued"],
+        max_requests_per_instance=values["max_requests_per_instance"],
+        max_batch_tokens=values["max_batch_tokens"],
+        profile=values["profile"],
+        replan_interval_s=values["replan_interval"],
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    values = settings_from(args)
+    logging.basicConfig(
+        level=values["log_level"].upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    config = engine_config(values)
+    name = values["served_model_name"] or (
+        Path(values["model"]).name if values["model"] else MODEL_NAME
+    )
+    settings = ServerSettings(
+        model_name=name,
+        api_key=values["api_key"] or os.environ.get("DILASERVE_API_KEY"),
+        max_body_bytes=values["max_body_bytes"],
+    )
+    sock = bind(values["host"], values["port"])
+    asyncio.run(serve(Engine(config), settings, sock))
+    return 0

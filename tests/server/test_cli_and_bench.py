@@ -1,0 +1,65 @@
+"""`dilaserve serve` configuration and `dilaserve bench` against a live server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+
+import pytest
+
+from dilaserve.bench.client import Client
+from dilaserve.bench.report import summarize
+from dilaserve.bench.workload import poisson_times, read_trace, task_arrivals, trace_arrivals
+from dilaserve.cli import build_parser
+from dilaserve.cli.serve import engine_config, parse_instances, settings_from
+
+TRACE = "../shared/traces/azure_llm_2023_conv.csv"
+
+
+def test_instances_spec():
+    assert parse_instances("2x1,1x2") == (1, 1, 2)
+    for bad in ("2", "0x1", "ax1", "1x-2"):
+        with pytest.raises(ValueError):
+            parse_instances(bad)
+
+
+def test_toml_config_then_flags(tmp_path):
+    config = tmp_path / "serve.toml"
+    config.write_text('instances = "3x1"\nslo_scale = 4.0\npolicy = "llumnix"\nport = 9000\n')
+    args = build_parser().parse_args(["serve", "--config", str(config), "--port", "9100"])
+    values = settings_from(args)
+    assert values["port"] == 9100 and values["slo_scale"] == 4.0
+    engine = engine_config(values)
+    assert engine.instances == (1, 1, 1) and engine.slo_scale == 4.0
+    assert engine.policy.threshold == "fixed" and engine.policy.migration
+    config.write_text("no_such_key = 1\n")
+    with pytest.raises(ValueError, match="no_such_key"):
+        settings_from(argparse.Namespace(config=str(config)))
+
+
+def test_poisson_and_trace_workloads():
+    rng = random.Random(3)
+    times = poisson_times(5.0, 200.0, rng)
+    assert 900 < len(times) < 1100 and times == sorted(times)
+    arrivals = task_arrivals(times[:10], seed=1)
+    assert [a.time for a in arrivals] == times[:10]
+    trace = read_trace(TRACE)
+    assert len(trace) == 19366 and trace[0][0] == 0.0
+    replay = trace_arrivals(trace, rate=4.0, duration=30.0, length_scale=0.1, rng=rng)
+    assert 60 < len(replay) < 200 and max(a.time for a in replay) < 30.0
+    assert {a.problem.task for a in replay} <= {"add", "rep", "draw", "tr"}
+
+
+def test_bench_client_against_a_live_server(start_server):
+    live = start_server(instances=(1,))
+    client = Client(live.url)
+    isolated = asyncio.run(client.isolated_latency(repeats=1))
+    assert set(isolated) == {"add", "rep", "draw", "tr"} and all(v > 0 for v in isolated.values())
+    slo = {task: 5 * s for task, s in isolated.items()}
+    arrivals = task_arrivals(poisson_times(4.0, 3.0, random.Random(0)), seed=2)
+    outcomes = asyncio.run(client.run(arrivals, slo))
+    summary = summarize("dilaserve", 4.0, outcomes, 3.0)
+    assert summary.requests == len(arrivals) and summary.rejected == 0
+    assert 0.0 <= summary.attainment <= 1.0 and summary.accuracy > 0.5
+    assert summary.p50_latency_s <= summary.p99_latency_s
