@@ -52,7 +52,7 @@ def states(table) -> dict[str, np.ndarray]:
 def test_rust_features_equal_python_features(heldout, shipped):
     """Through the scheduler's path (features computed in Rust, every threshold in one
     walk) the total equals LightGBM on the Python features, floored at one step."""
-    total_path, _ = shipped
+    total_path = shipped[0]
     st = states(heldout)
     booster = lgb.Booster(model_file=str(total_path))
     expected = booster.predict(repeat_over_thresholds(st, TAUS, FEATURE_NAMES))
@@ -62,7 +62,8 @@ def test_rust_features_equal_python_features(heldout, shipped):
 
 def test_shipped_predictor_is_consistent(heldout, shipped):
     p = GbmPredictor.load(shipped[0])
-    assert p.has_recompute_model and p.feature_names == list(FEATURE_NAMES)
+    # Counting blocks beat the recompute booster on dilaserve-tiny: none is shipped.
+    assert not p.has_recompute_model and p.feature_names == list(FEATURE_NAMES)
     st = states(heldout)
     out = p.predict(st, TAUS)
     assert (out.total >= 1.0).all() and (out.cache >= 0).all()

@@ -57,35 +57,60 @@ impl OutputTransform {
 pub(crate) struct Node {
     pub threshold: f64,
     pub feature: u32,
-    pub left: i32,
-    pub right: i32,
-    pub missing: u8,
+    /// Left and right child.
+    pub children: [i32; 2],
+    /// Where NaN goes (`missing == Zero or NaN`: the default side; `None`: where 0 goes).
+    pub nan_left: bool,
+    /// Missing type `Zero`: zero also goes the default side.
+    pub zero_missing: bool,
     pub default_left: bool,
 }
 
 impl Node {
+    pub fn new(
+        threshold: f64,
+        feature: u32,
+        children: [i32; 2],
+        missing: u8,
+        default_left: bool,
+    ) -> Self {
+        Self {
+            threshold,
+            feature,
+            children,
+            nan_left: if missing == MISSING_NONE {
+                0.0 <= threshold
+            } else {
+                default_left
+            },
+            zero_missing: missing == MISSING_ZERO,
+            default_left,
+        }
+    }
+
     /// LightGBM's `NumericalDecision` on a value already normalised by [`normalize`].
     #[inline(always)]
     pub fn goes_left(&self, x: f64) -> bool {
-        if x.is_nan() {
-            if self.missing == MISSING_NONE {
-                return 0.0 <= self.threshold;
-            }
+        if self.zero_missing && (x == 0.0 || x.is_nan()) {
             return self.default_left;
         }
-        if self.missing == MISSING_ZERO && x == 0.0 {
-            return self.default_left;
-        }
-        x <= self.threshold
+        // Without branches: a comparison with NaN is false, so NaN takes `nan_left`.
+        (x <= self.threshold) | (x.is_nan() & self.nan_left)
     }
 
     #[inline(always)]
-    fn child(&self, left: bool) -> i32 {
-        if left {
-            self.left
-        } else {
-            self.right
-        }
+    pub fn child(&self, left: bool) -> i32 {
+        self.children[usize::from(!left)]
+    }
+
+    #[inline(always)]
+    pub fn left(&self) -> i32 {
+        self.children[0]
+    }
+
+    #[inline(always)]
+    pub fn right(&self) -> i32 {
+        self.children[1]
     }
 }
 
@@ -103,15 +128,6 @@ pub(crate) fn normalize(x: f64) -> f64 {
 pub(crate) struct TreeRef {
     /// Root node index, or `!leaf` for a single-leaf tree.
     pub root: i32,
-    /// Bit `f` set when the tree splits on feature `f` (features from 63 on share bit 63).
-    pub features: u64,
-}
-
-impl TreeRef {
-    #[inline]
-    fn uses(&self, feature: usize) -> bool {
-        self.features & (1u64 << feature.min(63)) != 0
-    }
 }
 
 /// A LightGBM regression model: one tree per iteration, numerical splits only.
@@ -293,6 +309,7 @@ impl<'a> Varying<'a> {
         }
     }
 
+    /// Adds each tree's leaf to `out[j]` in tree order, as LightGBM sums them.
     fn raw_chunk(&mut self, row: &[f64], values: &[f64], out: &mut [f64]) {
         let forest = self.forest;
         let all = if values.len() == 64 {
@@ -300,48 +317,46 @@ impl<'a> Varying<'a> {
         } else {
             (1u64 << values.len()) - 1
         };
+        let vary = self.vary as u32;
         for tree in &forest.trees {
-            if !tree.uses(self.vary) {
-                let v = forest.leaves[forest.leaf_of(tree.root, row)];
-                for slot in out.iter_mut() {
-                    *slot += v;
-                }
-                continue;
-            }
             self.stack.push((tree.root, all));
             while let Some((mut node, mut mask)) = self.stack.pop() {
                 while node >= 0 {
                     let n = &forest.nodes[node as usize];
-                    if n.feature as usize != self.vary {
+                    if n.feature != vary {
                         node = n.child(n.goes_left(row[n.feature as usize]));
                         continue;
                     }
                     let mut left = 0u64;
                     let mut bits = mask;
                     while bits != 0 {
-                        let k = bits.trailing_zeros() as usize;
+                        let j = bits.trailing_zeros();
                         bits &= bits - 1;
-                        if n.goes_left(values[k]) {
-                            left |= 1u64 << k;
-                        }
+                        left |= u64::from(n.goes_left(values[j as usize])) << j;
                     }
                     let right = mask & !left;
                     if right == 0 {
-                        node = n.left;
+                        node = n.left();
                     } else if left == 0 {
-                        node = n.right;
+                        node = n.right();
                     } else {
-                        self.stack.push((n.right, right));
-                        node = n.left;
+                        self.stack.push((n.right(), right));
+                        node = n.left();
                         mask = left;
                     }
                 }
                 let v = forest.leaves[!node as usize];
-                let mut bits = mask;
-                while bits != 0 {
-                    let k = bits.trailing_zeros() as usize;
-                    bits &= bits - 1;
-                    out[k] += v;
+                if mask == all {
+                    for slot in out.iter_mut() {
+                        *slot += v;
+                    }
+                } else {
+                    let mut bits = mask;
+                    while bits != 0 {
+                        let j = bits.trailing_zeros() as usize;
+                        bits &= bits - 1;
+                        out[j] += v;
+                    }
                 }
             }
         }

@@ -20,6 +20,11 @@ use crate::scheduler::{PredictError, RequestView, StepPredictor, StepsLeft};
 /// File name of the recompute booster next to `predictor.txt` (see [`GbmPredictor::load`]).
 pub const RECOMPUTE_SUFFIX: &str = "_recompute";
 
+/// Batches of at least this many requests are split over threads.
+const PARALLEL_MIN_REQUESTS: usize = 2048;
+/// Most threads one batch uses.
+const MAX_THREADS: usize = 4;
+
 #[derive(Clone, Debug)]
 struct Booster {
     forest: Forest,
@@ -124,6 +129,8 @@ impl StepPredictor for GbmPredictor {
         self.predict_batch(std::slice::from_ref(request), thresholds, out)
     }
 
+    /// Large batches (a burst of arrivals, a refresh of many requests) are split over up
+    /// to [`MAX_THREADS`] threads; each request's result does not depend on the split.
     fn predict_batch(
         &self,
         requests: &[RequestView],
@@ -135,12 +142,35 @@ impl StepPredictor for GbmPredictor {
             return Ok(());
         }
         let taus: Vec<f64> = thresholds.iter().map(|&t| normalize(t)).collect();
+        let threads = if requests.len() >= PARALLEL_MIN_REQUESTS {
+            std::thread::available_parallelism().map_or(1, |n| n.get().min(MAX_THREADS))
+        } else {
+            1
+        };
+        if threads <= 1 {
+            self.predict_serial(requests, &taus, out);
+            return Ok(());
+        }
+        let per = requests.len().div_ceil(threads);
+        std::thread::scope(|scope| {
+            for (part, part_out) in requests.chunks(per).zip(out.chunks_mut(per * k)) {
+                let taus = &taus;
+                scope.spawn(move || self.predict_serial(part, taus, part_out));
+            }
+        });
+        Ok(())
+    }
+}
+
+impl GbmPredictor {
+    fn predict_serial(&self, requests: &[RequestView], taus: &[f64], out: &mut [StepsLeft]) {
+        let k = taus.len();
         let mut total = Pass::new(&self.total, k);
         let mut recompute = self.recompute.as_ref().map(|b| Pass::new(b, k));
         for (view, row) in requests.iter().zip(out.chunks_exact_mut(k)) {
-            total.run(view, &taus);
+            total.run(view, taus);
             if let Some(pass) = recompute.as_mut() {
-                pass.run(view, &taus);
+                pass.run(view, taus);
             }
             let due = if view.needs_recompute { 1.0 } else { 0.0 };
             let blocks = f64::from(view.future_blocks()) + due;
@@ -156,6 +186,5 @@ impl StepPredictor for GbmPredictor {
                 };
             }
         }
-        Ok(())
     }
 }

@@ -150,7 +150,7 @@ fn at_least_one_step_is_left() {
 }
 
 #[test]
-fn batch_equals_one_by_one() {
+fn batch_equals_one_by_one_across_threads() {
     let total = forest(
         &["threshold", "full_progress", "confidence_min"],
         &[
@@ -160,7 +160,8 @@ fn batch_equals_one_by_one() {
         ],
     );
     let p = GbmPredictor::new(total, None).unwrap();
-    let mut views: Vec<RequestView> = (0..20).map(|i| view(i, i % 3, i % 30, i % 4)).collect();
+    // Enough requests for the batch to be split over threads.
+    let mut views: Vec<RequestView> = (0..3000).map(|i| view(i, i % 3, i % 30, i % 4)).collect();
     for (i, v) in views.iter_mut().enumerate() {
         v.confidence = (i % 2 == 0).then_some([i as f64 / 40.0; 5]);
     }

@@ -248,7 +248,6 @@ fn parse_tree(s: &Section<'_>, num_features: usize, forest: &mut Forest) -> Resu
         forest.leaves.extend(leaves);
         forest.trees.push(TreeRef {
             root: global_leaf(0),
-            features: 0,
         });
         return Ok(());
     }
@@ -258,7 +257,6 @@ fn parse_tree(s: &Section<'_>, num_features: usize, forest: &mut Forest) -> Resu
     let decision_type: Vec<i8> = s.list("decision_type", n)?;
     let left: Vec<i64> = s.list("left_child", n)?;
     let right: Vec<i64> = s.list("right_child", n)?;
-    let mut features = 0u64;
     let mut leaf_seen = vec![false; num_leaves];
     for i in 0..n {
         let dt = decision_type[i];
@@ -300,15 +298,13 @@ fn parse_tree(s: &Section<'_>, num_features: usize, forest: &mut Forest) -> Resu
             }
         };
         let (l, r) = (child(left[i])?, child(right[i])?);
-        features |= 1u64 << (feature as usize).min(63);
-        forest.nodes.push(Node {
-            threshold: threshold[i],
-            feature: feature as u32,
-            left: l,
-            right: r,
+        forest.nodes.push(Node::new(
+            threshold[i],
+            feature as u32,
+            [l, r],
             missing,
-            default_left: dt & DEFAULT_LEFT_MASK != 0,
-        });
+            dt & DEFAULT_LEFT_MASK != 0,
+        ));
     }
     if leaf_seen.iter().any(|seen| !seen) {
         return Err(at("a leaf is not reachable from the root".into()));
@@ -316,7 +312,6 @@ fn parse_tree(s: &Section<'_>, num_features: usize, forest: &mut Forest) -> Resu
     forest.leaves.extend(leaves);
     forest.trees.push(TreeRef {
         root: node_base as i32,
-        features,
     });
     Ok(())
 }
