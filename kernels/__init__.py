@@ -15,17 +15,30 @@ from .kv_reuse import (
     scatter_kv_triton,
 )
 from .unmask import (
+    NO_TOKEN,
+    PARTIAL_BYTES,
     CommitResult,
+    combine_vocab_partials,
     confidence_commit,
     confidence_commit_reference,
     confidence_commit_triton,
     confidence_stats,
+    partial_ids,
+    threshold_commit,
+    threshold_commit_reference,
+    threshold_commit_triton,
+    vocab_partials,
+    vocab_partials_reference,
+    vocab_partials_triton,
 )
 
 __all__ = [
+    "NO_TOKEN",
+    "PARTIAL_BYTES",
     "CommitResult",
     "KernelInputError",
     "TritonUnavailableError",
+    "combine_vocab_partials",
     "confidence_commit",
     "confidence_commit_reference",
     "confidence_commit_triton",
@@ -36,4 +49,11 @@ __all__ = [
     "scatter_kv",
     "scatter_kv_reference",
     "scatter_kv_triton",
+    "partial_ids",
+    "threshold_commit",
+    "threshold_commit_reference",
+    "threshold_commit_triton",
+    "vocab_partials",
+    "vocab_partials_reference",
+    "vocab_partials_triton",
 ]

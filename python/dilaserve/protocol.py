@@ -268,6 +268,8 @@ class WorkerReady:
     max_seq_len: int
     vocab_size: int
     device: str
+    #: Ranks of the instance (rank 0 speaks for all of them).
+    tp: int = 1
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Model definitions (LLaDA, Dream) and HF-format checkpoint loading.
 
-`load_model(path, dtype, device)` reads a released checkpoint directory unmodified;
-every model implements the worker's forward contract (`DiffusionLM.forward`).
+`load_model(path, dtype, device)` reads a released checkpoint directory unmodified (with a
+tensor-parallel group: only this rank's slices); every model implements the worker's
+forward contract (`DiffusionLM.forward`).
 """
 
 from .checkpoint import FAMILIES, load_model, read_config, save_checkpoint
@@ -10,6 +11,13 @@ from .dream import DREAM
 from .errors import CheckpointError
 from .llada import LLADA
 from .model import CacheAccessMode, DiffusionLM
+from .parallel import (
+    Collective,
+    Shard,
+    UnsupportedDegreeError,
+    allowed_degrees,
+    check_degree,
+)
 from .tokenizer import UnrepresentableTextError, encode_prompt, load_tokenizer
 
 __all__ = [
@@ -18,10 +26,15 @@ __all__ = [
     "LLADA",
     "CacheAccessMode",
     "CheckpointError",
+    "Collective",
     "DiffusionLM",
     "Family",
     "ModelConfig",
+    "Shard",
     "UnrepresentableTextError",
+    "UnsupportedDegreeError",
+    "allowed_degrees",
+    "check_degree",
     "encode_prompt",
     "load_model",
     "load_tokenizer",

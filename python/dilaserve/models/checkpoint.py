@@ -4,6 +4,9 @@ A directory holds `config.json` and either `model.safetensors` or shards listed 
 `model.safetensors.index.json`, under the tensor names of the model's own family (LLaDA
 or Dream), so released checkpoints load unmodified. Every inconsistency is reported as a
 `CheckpointError` naming the file at fault, before any tensor data is read.
+
+A tensor-parallel rank reads only its slices: split tensors are read through safetensors'
+slice view of the memory map, so no rank ever holds a full copy of a split weight.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from .dream import DREAM
 from .errors import CheckpointError
 from .llada import LLADA
 from .model import DiffusionLM
+from .parallel import Collective, Shard, check_degree, split_dim
 
 FAMILIES: dict[str, Family] = {family.name: family for family in (LLADA, DREAM)}
 CONFIG_FILE = "config.json"
@@ -104,17 +108,24 @@ def _open(path: Path) -> Any:
 
 
 def load_model(
-    path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"
+    path: str | Path,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    *,
+    group: Collective | None = None,
 ) -> DiffusionLM:
     """Builds the model of the checkpoint directory `path` in `dtype` on `device`, in eval
-    mode and without gradients."""
+    mode and without gradients; with a tensor-parallel `group`, this rank's shard of it
+    (`UnsupportedDegreeError` if the model does not split that many ways)."""
     directory = Path(path)
     target = resolve_dtype(dtype)
     family, config = read_config(directory)
+    shard = Shard.of(group)
+    check_degree(config, shard.world_size, directory / CONFIG_FILE)
     with torch.device("meta"):
-        model = DiffusionLM(config)
+        model = DiffusionLM(config, group)
     expected = {
-        family.checkpoint_name(name): (name, tuple(t.shape))
+        family.checkpoint_name(name): _Expected(name, tuple(t.shape), shard)
         for name, t in model.state_dict().items()
     }
     files = weight_files(directory)
@@ -137,9 +148,30 @@ def _names(names: list[str], shown: int = 5) -> str:
     return ", ".join(repr(n) for n in names[:shown]) + more
 
 
+class _Expected:
+    """One tensor this process loads: our name, the shape of its part, and the slice of the
+    checkpoint tensor that is that part."""
+
+    def __init__(self, name: str, local_shape: tuple[int, ...], shard: Shard) -> None:
+        self.name = name
+        self.dim = split_dim(name) if shard.world_size > 1 else None
+        full = list(local_shape)
+        if self.dim is not None:
+            full[self.dim] *= shard.world_size
+        self.shape = tuple(full)
+        self.range = None if self.dim is None else shard.range(full[self.dim])
+
+    def read(self, handle: Any, checkpoint_name: str) -> torch.Tensor:
+        if self.range is None:
+            return handle.get_tensor(checkpoint_name)
+        start, stop = self.range
+        view = handle.get_slice(checkpoint_name)
+        return view[start:stop] if self.dim == 0 else view[:, start:stop]
+
+
 def _read_tensors(
     files: dict[str, Path],
-    expected: dict[str, tuple[str, tuple[int, ...]]],
+    expected: dict[str, _Expected],
     device: torch.device,
     dtype: torch.dtype,
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -157,15 +189,15 @@ def _read_tensors(
                 if name not in present:
                     raise CheckpointError(f"{file}: missing tensor {name!r}")
                 shape = tuple(handles[file].get_slice(name).get_shape())
-                if shape != expected[name][1]:
+                if shape != expected[name].shape:
                     raise CheckpointError(
                         f"{file}: tensor {name!r} has shape {list(shape)}, "
-                        f"expected {list(expected[name][1])}"
+                        f"expected {list(expected[name].shape)}"
                     )
         for file, names in by_file.items():
             for name in names:
-                tensor = handles[file].get_tensor(name)
-                yield expected[name][0], tensor.to(device=device, dtype=dtype)
+                tensor = expected[name].read(handles[file], name)
+                yield expected[name].name, tensor.to(device=device, dtype=dtype)
 
 
 def save_checkpoint(
@@ -174,6 +206,8 @@ def save_checkpoint(
     """Writes `config.json` and the weights (in the model's dtype, under the family's
     tensor names) to directory `path`; more than `max_shard_bytes` of weights go to
     numbered shards plus an index. Returns the weight files written."""
+    if model.group is not None:
+        raise ValueError("a tensor-parallel shard cannot be saved as a checkpoint")
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
     family = FAMILIES[model.config.family]

@@ -1,5 +1,7 @@
 """Building blocks shared by every family: RMSNorm, RoPE, SwiGLU, and bidirectional
-attention with the three KV-cache modes of the worker's forward contract."""
+attention with the three KV-cache modes of the worker's forward contract. Given a
+tensor-parallel group, attention holds the rank's heads and the MLP its slice of the inner
+width, each ending in one all-reduce (`parallel.RowParallelLinear`)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .parallel import Collective, RowParallelLinear
 
 if TYPE_CHECKING:
     from .kv_cache import KVCache
@@ -51,12 +54,26 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (xf * cos + rotated * sin).to(x.dtype)
 
 
+def output_projection(
+    in_features: int, out_features: int, bias: bool, group: Collective | None
+) -> nn.Module:
+    """The layer that maps a split activation back to the residual stream: a plain linear
+    layer on one rank, row-parallel (one all-reduce) over several."""
+    if group is None or group.world_size == 1:
+        return nn.Linear(in_features, out_features, bias=bias)
+    return RowParallelLinear(in_features, out_features, bias, group)
+
+
 class SwiGLU(nn.Module):
-    def __init__(self, hidden: int, inner: int, bias: bool) -> None:
+    """Gate and up are column-parallel (`inner` is this rank's slice), down row-parallel."""
+
+    def __init__(
+        self, hidden: int, inner: int, bias: bool, group: Collective | None = None
+    ) -> None:
         super().__init__()
         self.gate = nn.Linear(hidden, inner, bias=bias)
         self.up = nn.Linear(hidden, inner, bias=bias)
-        self.down = nn.Linear(inner, hidden, bias=bias)
+        self.down = output_projection(inner, hidden, bias, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.silu(self.gate(x)) * self.up(x))
@@ -76,14 +93,20 @@ class CacheAccess:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """Bidirectional attention over this rank's heads: query heads and KV heads are split
+    into contiguous ranges, so a rank's query heads read only its own KV heads (GQA groups
+    never straddle ranks when both counts divide by the degree)."""
+
+    def __init__(self, config: ModelConfig, group: Collective | None = None) -> None:
         super().__init__()
+        world = 1 if group is None else group.world_size
         hidden, dim = config.hidden_size, config.head_dim
-        self.heads, self.kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, dim
+        self.heads, self.kv_heads = config.num_heads // world, config.num_kv_heads // world
+        self.head_dim = dim
         self.q = nn.Linear(hidden, self.heads * dim, bias=config.qkv_bias)
         self.k = nn.Linear(hidden, self.kv_heads * dim, bias=config.qkv_bias)
         self.v = nn.Linear(hidden, self.kv_heads * dim, bias=config.qkv_bias)
-        self.o = nn.Linear(self.heads * dim, hidden, bias=config.linear_bias)
+        self.o = output_projection(self.heads * dim, hidden, config.linear_bias, group)
 
     def forward(
         self,
@@ -121,12 +144,15 @@ def expand_kv_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
 class DecoderLayer(nn.Module):
     """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, group: Collective | None = None) -> None:
         super().__init__()
+        world = 1 if group is None else group.world_size
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_bias)
-        self.attn = Attention(config)
+        self.attn = Attention(config, group)
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_bias)
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, config.linear_bias)
+        self.mlp = SwiGLU(
+            config.hidden_size, config.intermediate_size // world, config.linear_bias, group
+        )
 
     def forward(
         self,

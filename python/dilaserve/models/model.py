@@ -1,7 +1,9 @@
 """`DiffusionLM`: the one module behind every family, implementing the worker's forward.
 
 Families differ only in configuration (biases, tied head, head width) and in tensor
-names, which `Family` translates at load and save time.
+names, which `Family` translates at load and save time. Built with a tensor-parallel group,
+the module is one rank's shard (`parallel`): same parameter names, smaller tensors, and
+logits for the rank's vocabulary shard only.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .layers import CacheAccess, DecoderLayer, RMSNorm, rope_tables
+from .parallel import Collective, Shard, VocabParallelEmbedding, check_degree
 
 if TYPE_CHECKING:
     from .kv_cache import KVCache
@@ -25,16 +28,31 @@ CacheAccessMode = Literal["off", "write", "read"]
 class DiffusionLM(nn.Module):
     """Bidirectional transformer returning per-position vocabulary logits."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, group: Collective | None = None) -> None:
         super().__init__()
+        if group is not None and group.world_size == 1:
+            group = None
+        shard = Shard.of(group)
+        check_degree(config, shard.world_size)
         self.config = config
-        self.embed = nn.Embedding(config.embedding_rows, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.group = group
+        self.shard = shard
+        rows = config.embedding_rows // shard.world_size
+        #: This rank's vocabulary shard: token ids `[vocab_offset, vocab_offset + local_vocab)`
+        #: (embedding rows past `vocab_size` are padding, never scored).
+        self.vocab_offset = shard.rank * rows
+        self.local_vocab = max(0, min(rows, config.vocab_size - self.vocab_offset))
+        self.embed = (
+            nn.Embedding(rows, config.hidden_size)
+            if group is None
+            else VocabParallelEmbedding(rows, config.hidden_size, self.vocab_offset, group)
+        )
+        self.layers = nn.ModuleList(DecoderLayer(config, group) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_bias)
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.embedding_rows, bias=config.linear_bias)
+            else nn.Linear(config.hidden_size, rows, bias=config.linear_bias)
         )
 
     @property
@@ -44,6 +62,11 @@ class DiffusionLM(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.embed.weight.device
+
+    @property
+    def local_kv_heads(self) -> int:
+        """KV heads this rank computes and caches."""
+        return self.config.num_kv_heads // self.shard.world_size
 
     def forward(
         self,
@@ -57,7 +80,8 @@ class DiffusionLM(nn.Module):
         cache_mode: CacheAccessMode = "off",
         cache_len: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits `[b, m, vocab]` for the fed tokens `input_ids` `[b, n]`.
+        """Logits `[b, m, local_vocab]` for the fed tokens `input_ids` `[b, n]` (the whole
+        vocabulary on one rank, the rank's shard under tensor parallelism).
 
         `positions` `[b, n]` are absolute sequence positions (RoPE and cache index); `valid`
         `[b, n]` marks real entries. `"off"` attends among the row's valid fed tokens;
@@ -83,7 +107,7 @@ class DiffusionLM(nn.Module):
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed if self.lm_head is None else self.lm_head
         # Embedding rows past vocab_size are padding, never tokens: no logits for them.
-        vocab = self.config.vocab_size
+        vocab = self.local_vocab
         bias = None if getattr(head, "bias", None) is None else head.bias[:vocab]
         logits = F.linear(hidden, head.weight[:vocab], bias)
         if self.config.logit_scale != 1.0:

@@ -1,4 +1,5 @@
-"""`python -m dilaserve.worker`: one instance's worker process, started by a launcher."""
+"""`python -m dilaserve.worker`: one instance's worker process (one rank of it under tensor
+parallelism), started by a launcher."""
 
 from __future__ import annotations
 
@@ -21,10 +22,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the instance")
+    p.add_argument("--rank", type=int, default=0, help="this process's rank in the instance")
+    p.add_argument(
+        "--dist-init", default=None, help="torch.distributed rendezvous (file://... or tcp://...)"
+    )
     args = p.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO,
-        format=f"%(asctime)s worker {args.instance}/{args.worker_id} %(levelname)s %(message)s",
+        format=f"%(asctime)s worker {args.instance}/{args.worker_id} rank {args.rank} "
+        "%(levelname)s %(message)s",
     )
     return serve(
         WorkerSettings(
@@ -37,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype,
             device=args.device,
             threads=args.threads,
+            tp=args.tp,
+            rank=args.rank,
+            dist_init=args.dist_init,
         )
     )
 

@@ -22,3 +22,9 @@ class MigrationError(WorkerError):
 
 class CacheFullError(WorkerError):
     """Every KV slot of this worker is in use."""
+
+
+class GroupLostError(WorkerError):
+    """A collective of the tensor-parallel group failed (a rank died or hung): the group
+    cannot be trusted again, so the whole instance goes down and the engine restarts it;
+    its requests resume elsewhere from the engine's copy of their state."""

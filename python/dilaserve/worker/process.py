@@ -8,10 +8,16 @@ step without this instance's K/V) is reported in `StepReport.errors` while the o
 run. A failure of the step itself (out of memory) is reported as `failure` with nothing
 applied, and the process keeps serving. SIGTERM asks the engine to drain this instance;
 the process exits once the engine says `Shutdown`.
+
+A tensor-parallel instance is `tp` such processes joined by `torch.distributed`: rank 0 does
+all of the above, the other ranks load their shard and follow rank 0's step plans
+(`follower`). A lost group (a rank died) ends every rank with `GROUP_LOST_EXIT`, and the
+engine restarts the instance as a whole.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -33,13 +39,17 @@ from dilaserve.protocol import (
     decode_engine_message,
     encode,
 )
-from dilaserve.worker.errors import WorkerError
+from dilaserve.worker.errors import GroupLostError, WorkerError
+from dilaserve.worker.follower import follow
 from dilaserve.worker.runner import StepRunner
+from dilaserve.worker.tp_group import TensorParallelGroup
 
 log = logging.getLogger(__name__)
 
 # How often the idle loop checks that the engine process is still there.
 PARENT_CHECK_S = 1.0
+# Exit code of a rank whose tensor-parallel group broke.
+GROUP_LOST_EXIT = 3
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,11 @@ class WorkerSettings:
     dtype: str = "float32"
     device: str = "cpu"
     threads: int | None = None
+    #: Tensor-parallel degree, this process's rank, and the group's rendezvous URL
+    #: (`file://...` or `tcp://host:port`).
+    tp: int = 1
+    rank: int = 0
+    dist_init: str | None = None
 
 
 def execute(runner: StepRunner, command: StepCommand) -> StepReport:
@@ -82,6 +97,8 @@ def execute(runner: StepRunner, command: StepCommand) -> StepReport:
         return StepReport(step=command.step, errors=errors)
     try:
         report = runner.step(entries)
+    except GroupLostError:
+        raise  # not this step's failure: the instance is gone
     except (RuntimeError, WorkerError) as exc:  # torch's out-of-memory is a RuntimeError
         log.exception("step %d failed", command.step)
         return StepReport(step=command.step, errors=errors, failure=f"{type(exc).__name__}: {exc}")
@@ -96,8 +113,38 @@ def serve(settings: WorkerSettings) -> int:
 
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    model = load_model(settings.model, dtype=settings.dtype, device=settings.device)
-    runner = StepRunner(model, cache=settings.cache, max_requests=settings.max_requests)
+    group = None
+    try:
+        if settings.tp > 1:
+            if settings.dist_init is None:
+                raise ValueError("a tensor-parallel worker needs --dist-init")
+            group = TensorParallelGroup(
+                settings.rank, settings.tp, settings.dist_init, settings.device
+            )
+        model = load_model(
+            settings.model, dtype=settings.dtype, device=settings.device, group=group
+        )
+        if group is not None and group.rank > 0:
+            follow(model, group)
+            return 0
+        runner = StepRunner(model, cache=settings.cache, max_requests=settings.max_requests)
+        try:
+            return _serve_engine(settings, runner)
+        finally:
+            if group is not None:
+                with contextlib.suppress(GroupLostError):
+                    group.stop_followers()
+    except GroupLostError as exc:
+        log.error("instance %d, rank %d: %s", settings.instance, settings.rank, exc)
+        return GROUP_LOST_EXIT
+    finally:
+        if group is not None:
+            group.close()
+
+
+def _serve_engine(settings: WorkerSettings, runner: StepRunner) -> int:
+    """Rank 0: talks to the engine over ZeroMQ and executes its commands."""
+    model = runner.model
     leaving = False
 
     def on_sigterm(signum: int, frame: object) -> None:
@@ -124,6 +171,7 @@ def serve(settings: WorkerSettings) -> int:
                 max_seq_len=runner.max_seq_len,
                 vocab_size=model.config.vocab_size,
                 device=str(runner.device),
+                tp=settings.tp,
             )
         )
     )

@@ -9,18 +9,22 @@ positions (dual cache) or the block and everything after it (prefix cache).
 The runner decides nothing: the engine says which requests step, with which τ and which
 step kind. A recompute step may start mid-block: it rebuilds the request's K/V from its
 current tokens, which is how a request resumes on an instance that never held its cache.
+
+On a tensor-parallel instance this runner lives on rank 0: it broadcasts each step's model
+calls as a packed plan (`step_plan`), every rank runs them on its shard, and the commit
+combines the ranks' vocabulary partials instead of logits (`follower`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from dilaserve.kernels import confidence_commit
+from dilaserve.kernels import confidence_commit, threshold_commit
 from dilaserve.protocol import (
     CacheMode,
     RequestState,
@@ -30,8 +34,16 @@ from dilaserve.protocol import (
     StepReport,
     TokenStateError,
 )
-from dilaserve.worker.errors import MigrationError, RequestNotHeldError, StepRejectedError
+from dilaserve.worker.errors import (
+    GroupLostError,
+    MigrationError,
+    RequestNotHeldError,
+    StepRejectedError,
+)
+from dilaserve.worker.follower import make_pool, vocab_parallel_scores
+from dilaserve.worker.forward import ForwardGroup, forward_logits
 from dilaserve.worker.kv_cache import KVCachePool
+from dilaserve.worker.tp_group import TensorParallelGroup
 
 
 @dataclass
@@ -51,7 +63,10 @@ class _Held:
 
 
 class StepRunner:
-    """One model instance's step executor (batched, per-request τ, optional KV cache)."""
+    """One model instance's step executor (batched, per-request τ, optional KV cache).
+
+    Given a model shard built with a `TensorParallelGroup`, it is rank 0 of that group and
+    the other ranks must be running `follower.follow`."""
 
     def __init__(
         self,
@@ -66,17 +81,15 @@ class StepRunner:
         self.device = next(model.parameters()).device
         self.cache_mode = CacheMode(cache)
         self.max_seq_len = max_seq_len or self.config.max_position_embeddings
-        self.pool: KVCachePool | None = None
-        if self.cache_mode is not CacheMode.NONE:
-            self.pool = KVCachePool(
-                num_layers=self.config.num_layers,
-                num_slots=max_requests,
-                num_kv_heads=self.config.num_kv_heads,
-                max_len=self.max_seq_len,
-                head_dim=self.config.head_dim,
-                dtype=next(model.parameters()).dtype,
-                device=self.device,
-            )
+        self.group: TensorParallelGroup | None = getattr(model, "group", None)
+        if self.group is not None and not isinstance(self.group, TensorParallelGroup):
+            raise TypeError("a tensor-parallel runner needs a model built with a worker group")
+        if self.group is not None and self.group.rank != 0:
+            raise ValueError("only rank 0 runs steps; the other ranks follow its plans")
+        slots = 0 if self.cache_mode is CacheMode.NONE else max_requests
+        if self.group is not None:
+            self.group.send_pool(slots, self.max_seq_len)
+        self.pool: KVCachePool | None = make_pool(model, slots, self.max_seq_len)
         self._held: dict[int, _Held] = {}
         self.forward_tokens = 0
 
@@ -162,21 +175,25 @@ class StepRunner:
         full = [i for i, k in enumerate(kinds) if k is not StepKind.CACHE]
         cached = [i for i, k in enumerate(kinds) if k is StepKind.CACHE]
         order = full + cached
-        logits = []
+        groups: list[ForwardGroup] = []
         fed = 0
         if full:
-            group_logits, group_fed = self._forward_full(
+            group, group_fed = self._full_inputs(
                 [held[i] for i in full], write_cache=self.pool is not None
             )
-            logits.append(group_logits)
+            groups.append(group)
             fed += group_fed
         if cached:
-            group_logits, group_fed = self._forward_cached([held[i] for i in cached])
-            logits.append(group_logits)
+            group, group_fed = self._cached_inputs([held[i] for i in cached])
+            groups.append(group)
             fed += group_fed
         ordered = [held[i] for i in order]
         tau = torch.tensor([batch[i].tau for i in order], dtype=torch.float32, device=self.device)
-        outputs = self._commit(ordered, [kinds[i] for i in order], _stack_rows(logits), tau)
+        with self._group_fatal():
+            if self.group is not None:
+                self.group.send_step(groups)
+            logits = forward_logits(self.model, self.pool, groups)
+            outputs = self._commit(ordered, [kinds[i] for i in order], logits, tau)
         self.forward_tokens += fed
         by_id = {o.request_id: o for o in outputs}
         return StepReport(
@@ -215,22 +232,32 @@ class StepRunner:
             self.check_entry(entry)
         return [self._held[e.request_id] for e in batch]
 
-    def _forward_full(self, rows: list[_Held], *, write_cache: bool) -> tuple[torch.Tensor, int]:
+    @contextlib.contextmanager
+    def _group_fatal(self) -> Iterator[None]:
+        """Once a tensor-parallel step has begun, the other ranks are inside it: any failure
+        leaves them waiting in a collective, so it takes the whole instance down."""
+        if self.group is None:
+            yield
+            return
+        try:
+            yield
+        except GroupLostError:
+            raise
+        except Exception as exc:
+            raise GroupLostError(f"rank 0 failed mid-step: {type(exc).__name__}: {exc}") from exc
+
+    def _full_inputs(self, rows: list[_Held], *, write_cache: bool) -> tuple[ForwardGroup, int]:
         """No-cache or recompute step: every position of each row goes through the model."""
         lengths = [h.state.seq_length for h in rows]
         ids, positions, valid = self._pack([h.tokens for h in rows], [0] * len(rows), lengths)
         starts = torch.tensor([h.block_start for h in rows], device=self.device)
         logits_index = self._block_index(rows, starts - self.config.logit_shift)
-        logits = self.model(
-            ids,
-            positions,
-            valid,
-            logits_index=logits_index,
-            **(self._cache_args(rows, "write") if write_cache else {}),
-        )
-        return logits, sum(lengths)
+        group = ForwardGroup(ids, positions, valid, logits_index)
+        if write_cache:
+            group.cache_mode, group.cache_rows = "write", self._slots(rows)
+        return group, sum(lengths)
 
-    def _forward_cached(self, rows: list[_Held]) -> tuple[torch.Tensor, int]:
+    def _cached_inputs(self, rows: list[_Held]) -> tuple[ForwardGroup, int]:
         """Cache step: the block (dual) or block + suffix (prefix) over stored K/V.
 
         A model whose logits are shifted (Dream) also needs the hidden state of the position
@@ -246,14 +273,17 @@ class StepRunner:
             [h.tokens for h in rows], begins, [e - b for b, e in zip(begins, ends, strict=True)]
         )
         zeros = torch.zeros(len(rows), dtype=torch.long, device=self.device)
-        logits = self.model(
+        lengths = torch.tensor([h.state.seq_length for h in rows], device=self.device)
+        group = ForwardGroup(
             ids,
             positions,
             valid,
-            logits_index=self._block_index(rows, zeros),
-            **self._cache_args(rows, "read"),
+            self._block_index(rows, zeros),
+            cache_mode="read",
+            cache_rows=self._slots(rows),
+            cache_len=lengths,
         )
-        return logits, int(valid.sum())
+        return group, int(valid.sum())
 
     def _pack(
         self, tokens: list[torch.Tensor], begins: list[int], lengths: list[int]
@@ -280,13 +310,8 @@ class StepRunner:
         offsets = torch.arange(int(sizes.max()), device=self.device)[None, :]
         return first[:, None] + torch.minimum(offsets, sizes[:, None] - 1)
 
-    def _cache_args(self, rows: list[_Held], mode: str) -> dict:
-        return {
-            "cache": self.pool,
-            "cache_rows": torch.tensor([h.slot for h in rows], device=self.device),
-            "cache_mode": mode,
-            "cache_len": torch.tensor([h.state.seq_length for h in rows], device=self.device),
-        }
+    def _slots(self, rows: list[_Held]) -> torch.Tensor:
+        return torch.tensor([h.slot for h in rows], device=self.device)
 
     def _commit(
         self, rows: list[_Held], kinds: list[StepKind], logits: torch.Tensor, tau: torch.Tensor
@@ -302,9 +327,12 @@ class StepRunner:
             torch.arange(width, device=self.device)[None, :]
             < torch.tensor(sizes, device=self.device)[:, None]
         )
-        # The mask token is never a prediction: committing it would leave the position masked.
-        logits[..., mask_id] = float("-inf")
-        result = confidence_commit(logits, (ids == mask_id) & in_block, tau, ids)
+        candidate = (ids == mask_id) & in_block
+        if self.group is None:
+            result = confidence_commit(logits, candidate, tau, ids)
+        else:
+            x0, confidence = vocab_parallel_scores(self.model, self.group, logits)  # type: ignore[arg-type]
+            result = threshold_commit(x0, confidence, candidate, tau, ids)
         committed = result.committed.tolist()
         new_ids = ids.tolist()
         stats = result.stats.tolist()
@@ -345,10 +373,3 @@ class StepRunner:
                 )
             )
         return outputs
-
-
-def _stack_rows(groups: list[torch.Tensor]) -> torch.Tensor:
-    """Concatenates `[b, width, vocab]` logits of step groups whose widest block differs;
-    the padding columns lie outside every row's block, so they are never candidates."""
-    width = max(g.shape[1] for g in groups)
-    return torch.cat([F.pad(g, (0, 0, 0, width - g.shape[1])) for g in groups])

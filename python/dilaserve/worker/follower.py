@@ -1,0 +1,67 @@
+"""What the ranks other than 0 of a tensor-parallel instance do: run the step plans rank 0
+broadcasts on their shard of the model and contribute their vocabulary partials.
+
+They hold no request state at all — no token state, no slot bookkeeping — only their part
+of every layer's weights and their heads of the KV pool; rank 0's runner decides every
+slot and position, so the pools of all ranks stay in step by construction.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from dilaserve.kernels import combine_vocab_partials, vocab_partials
+from dilaserve.models.model import DiffusionLM
+from dilaserve.worker.forward import forward_logits
+from dilaserve.worker.kv_cache import KVCachePool
+from dilaserve.worker.step_plan import PlanOp
+from dilaserve.worker.tp_group import TensorParallelGroup
+
+log = logging.getLogger(__name__)
+
+
+def make_pool(model: DiffusionLM, slots: int, max_len: int) -> KVCachePool | None:
+    """The KV pool of this rank's heads (None for 0 slots: an instance without a cache)."""
+    if slots <= 0:
+        return None
+    return KVCachePool(
+        num_layers=model.config.num_layers,
+        num_slots=slots,
+        num_kv_heads=model.local_kv_heads,
+        max_len=max_len,
+        head_dim=model.config.head_dim,
+        dtype=model.dtype,
+        device=model.device,
+    )
+
+
+@torch.inference_mode()
+def follow(model: DiffusionLM, group: TensorParallelGroup) -> None:
+    """Executes rank 0's plans until it says stop (a lost group raises `GroupLostError`)."""
+    pool: KVCachePool | None = None
+    steps = 0
+    while True:
+        message = group.receive()
+        if message.op is PlanOp.STOP:
+            log.info("rank %d leaves after %d steps", group.rank, steps)
+            return
+        if message.op is PlanOp.POOL:
+            pool = None  # free the old pool before allocating the new one
+            pool = make_pool(model, message.pool_slots, message.pool_len)
+            continue
+        logits = forward_logits(model, pool, message.groups)
+        group.gather_partials(vocab_partials(logits, model.vocab_offset))
+        steps += 1
+
+
+def vocab_parallel_scores(
+    model: DiffusionLM, group: TensorParallelGroup, logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank 0's half of the commit: argmax ids and confidences `[b, m]` over the whole
+    vocabulary from every rank's partials — 12 bytes per position and rank, never logits."""
+    gathered = group.gather_partials(vocab_partials(logits, model.vocab_offset))
+    if gathered is None:
+        raise RuntimeError("only rank 0 combines vocabulary partials")
+    return combine_vocab_partials(gathered)
