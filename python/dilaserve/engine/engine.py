@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import time
@@ -18,6 +19,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Sequence
 
 from dilaserve.planner import Arrival
+from dilaserve.predictor.serving import predictor_for
 from dilaserve.protocol import (
     CacheMode,
     Shutdown,
@@ -102,7 +104,8 @@ class Engine:
     async def start(self) -> None:
         """Loads the tokenizer and latency profile, starts every instance, waits until all
         are ready."""
-        c = self.config
+        served = predictor_for(self.model_dir, self.config.predictor_rates)
+        c = self.config = dataclasses.replace(self.config, predictor_rates=served.rates)
         self.profile = await load_or_measure_profile(c, self.model_dir)
         self.builder = RequestBuilder(c, self.model_dir, self.profile)
         self.tokenizer = self.builder.tokenizer
@@ -114,7 +117,8 @@ class Engine:
                 caching=c.cache is not CacheMode.NONE,
                 max_batch_tokens=c.max_batch_tokens,
                 policy=c.policy,
-                predictor_rates=c.predictor_rates,
+                predictor_rates=None if served.model else c.predictor_rates,
+                predictor_model=None if served.model is None else str(served.model),
                 max_queued=c.max_queued,
             ),
         )
