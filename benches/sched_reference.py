@@ -802,7 +802,7 @@ class ReferenceScheduler:
             ):
                 toks = 0 if inst.kv is None else max(inst.resident_tokens + seq - inst.kv, 0)
                 reqs = 0 if inst.max_req is None else max(inst.residents + 1 - inst.max_req, 0)
-                need[slot] = (toks, reqs)
+                need[slot] = (0, 0) if r.home == slot else (toks, reqs)
         leavers: dict[int, list[tuple[float, int]]] = {}
         for q in self.requests.values():
             if q.home is not None and need.get(q.home, (0, 0)) != (0, 0):

@@ -10,7 +10,7 @@
 //! (anywhere), cancelled, or when the instance drains or goes away.
 //!
 //! "Soonest" is estimated from what the scheduler knows: an instance whose resident room
-//! already suffices fits at the end of its next step; otherwise residents must leave first,
+//! already suffices (or that already holds the request) fits at the end of its next step; otherwise residents must leave first,
 //! each at its predicted finish (remaining steps at its highest kept threshold, priced on
 //! that instance), and the instance fits once the earliest leavers free enough room.
 
@@ -60,8 +60,12 @@ pub(crate) fn soonest(
     scratch.need.clear();
     scratch.prices.clear();
     let mut shedding = false;
-    for inst in instances {
+    for (slot, inst) in instances.iter().enumerate() {
+        let resident = r.home == Some(slot as u32);
         let need = (inst.alive && !inst.draining && inst.could_hold(seq, n)).then(|| {
+            if resident {
+                return (0, 0);
+            }
             let tokens = inst
                 .kv_tokens
                 .map_or(0, |kv| (inst.resident_tokens + seq).saturating_sub(kv));
