@@ -2,7 +2,9 @@
 
 The Rust core reads the file (`LatencyProfile`) and every latency estimate of the scheduler
 and planner interpolates in it (DESIGN §2). Steps are timed through the same `StepRunner`
-that serves requests, so the profile includes the runner's own overhead.
+that serves requests, so the profile includes the runner's own overhead; a TP-d table is
+timed on a real TP-d instance (d local rank processes, `measure_degrees`), collectives
+included.
 """
 
 from __future__ import annotations
@@ -12,13 +14,16 @@ import random
 import statistics
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
 from dilaserve._core import LatencyProfile
+from dilaserve.models import check_degree, load_model, read_config
 from dilaserve.models.config import ModelConfig
 from dilaserve.protocol import RequestState, StepEntry, StepKind
+from dilaserve.worker.local_group import run_on_group
 from dilaserve.worker.runner import StepRunner
 
 DEFAULT_TOKEN_GRID = (32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -55,6 +60,63 @@ def measure_profile(model: torch.nn.Module, settings: ProfileSettings) -> dict:
         "block_length": settings.block_length,
         "tables": tables,
     }
+
+
+def measure_degrees(
+    model_dir: str | Path,
+    degrees: Sequence[int],
+    settings: ProfileSettings,
+    *,
+    dtype: str = "float32",
+    device: str = "cpu",
+    threads: int | None = None,
+    timeout_s: float = 3600.0,
+) -> dict:
+    """One profile with a table set per TP degree: TP 1 in this process, TP d on d local
+    ranks (on CUDA, devices `cuda:0 .. cuda:d-1`). Every degree is checked against the
+    model before anything is measured."""
+    _, config = read_config(model_dir)
+    for degree in degrees:
+        check_degree(config, degree, Path(model_dir) / "config.json")
+    profiles = []
+    for degree in sorted(set(degrees)):
+        at_degree = replace(settings, tp=degree)
+        if degree == 1:
+            model = load_model(model_dir, dtype=dtype, device=device)
+            profiles.append(measure_profile(model, at_degree))
+            del model
+            continue
+        profiles.append(
+            run_on_group(
+                degree,
+                model_dir,
+                measure_profile,
+                at_degree,
+                dtype=dtype,
+                devices=_rank_devices(device, degree),
+                threads=threads,
+                timeout_s=timeout_s,
+            )
+        )
+    return merge_profiles(profiles)
+
+
+def merge_profiles(profiles: Sequence[dict]) -> dict:
+    """The tables of several single-degree profiles of one model in one profile."""
+    if not profiles:
+        raise ValueError("no profiles to merge")
+    merged = dict(profiles[0])
+    merged["tables"] = [table for p in profiles for table in p["tables"]]
+    return merged
+
+
+def _rank_devices(device: str, degree: int) -> list[str]:
+    if torch.device(device).type != "cuda":
+        return [device] * degree
+    available = torch.cuda.device_count()
+    if available < degree:
+        raise ValueError(f"TP {degree} needs {degree} GPUs, this machine has {available}")
+    return [f"cuda:{i}" for i in range(degree)]
 
 
 def write_profile(profile: dict, path: str) -> LatencyProfile:

@@ -65,7 +65,7 @@ def make_engine(tiny_profile) -> Iterator:
     started: list[EngineHarness] = []
 
     def make(**overrides) -> EngineHarness:
-        config = EngineConfig(profile=tiny_profile, threads_per_worker=1, **overrides)
+        config = EngineConfig(**{"profile": tiny_profile, "threads_per_worker": 1, **overrides})
         harness = EngineHarness(config)
         started.append(harness)
         return harness

@@ -6,8 +6,8 @@ import argparse
 
 import torch
 
-from dilaserve.cli.common import add_model_arguments, load_model_from_args
-from dilaserve.profiling import DEFAULT_TOKEN_GRID, ProfileSettings, measure_profile, write_profile
+from dilaserve.cli.common import add_model_arguments, model_dir
+from dilaserve.profiling import DEFAULT_TOKEN_GRID, ProfileSettings, measure_degrees, write_profile
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -32,7 +32,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-context", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument(
-        "--threads", type=int, default=None, help="torch intra-op threads (as a worker runs)"
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads per process (as a worker rank runs)",
+    )
+    p.add_argument(
+        "--tp",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[1],
+        help="comma-separated TP degrees to measure, each on a real instance of that many "
+        "rank processes (default: 1)",
     )
     p.set_defaults(run=run)
 
@@ -40,7 +50,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = load_model_from_args(args)
     settings = ProfileSettings(
         block_length=args.block_length,
         token_grid=args.tokens,
@@ -50,7 +59,17 @@ def run(args: argparse.Namespace) -> int:
     )
     if min(settings.token_grid) <= 0 or settings.repeats <= 0:
         raise ValueError("--tokens and --repeats must be positive")
-    profile = write_profile(measure_profile(model, settings), args.output)
+    if min(args.tp) <= 0:
+        raise ValueError("--tp degrees must be positive")
+    measured = measure_degrees(
+        model_dir(args),
+        args.tp,
+        settings,
+        dtype=args.dtype,
+        device=args.device,
+        threads=args.threads,
+    )
+    profile = write_profile(measured, args.output)
     for tp in profile.degrees():
         for kind in ("no_cache", "recompute", "cache"):
             points = ", ".join(f"{t}:{s * 1e3:.2f}ms" for t, s in profile.points(tp, kind))

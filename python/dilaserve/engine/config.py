@@ -20,7 +20,8 @@ class EngineConfig:
 
     `instances` lists the TP degree of each instance started with the engine; instances
     take device slots `0, 1, ...` of one node with `device_slots` slots (GPUs, or virtual
-    CPU slots), which is also what reconfiguration may use.
+    CPU slots), which is also what reconfiguration may use. A TP-d instance takes d
+    consecutive slots, one per rank.
     """
 
     #: Checkpoint directory; None serves the embedded dilaserve-tiny.
@@ -54,8 +55,9 @@ class EngineConfig:
     #: Re-plan the cluster this often (seconds) from the arrivals of the last interval;
     #: None turns periodic planning off.
     replan_interval_s: float | None = None
-    #: TP degrees the planner may choose.
-    planner_degrees: tuple[int, ...] = (1,)
+    #: TP degrees the planner may choose; None: every degree the model allows that the
+    #: latency profile has tables for and the slots can hold.
+    planner_degrees: tuple[int, ...] | None = None
     #: How many times a crashed instance is restarted before it is given up.
     max_restarts: int = 3
     #: A step that fails this many times for a request fails the request.
@@ -75,6 +77,12 @@ class EngineConfig:
             raise ValueError("block_length and max_requests_per_instance must be positive")
         if self.slo_scale <= 0:
             raise ValueError(f"slo_scale must be positive, got {self.slo_scale}")
+
+    @property
+    def measured_degrees(self) -> tuple[int, ...]:
+        """TP degrees a start-up latency profile must cover (TP 1 always: default SLOs are
+        a multiple of a request's latency alone on TP-1)."""
+        return tuple(sorted({1, *self.instances, *(self.planner_degrees or ())}))
 
     @property
     def slots(self) -> int:

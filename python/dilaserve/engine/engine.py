@@ -42,6 +42,7 @@ from dilaserve.tiny import default_model_dir
 
 from .admission import RequestBuilder
 from .config import EngineConfig, GenerationParams
+from .degrees import ModelDegrees
 from .errors import (
     BadRequestError,
     EngineStoppedError,
@@ -91,6 +92,9 @@ class Engine:
         self.restarts = 0
         self.step_times = StepTimes()
         self._rounds = 0
+        #: Launches a reconfiguration still has to make: while any are pending, requests
+        #: wait for them instead of failing when no instance is left.
+        self.launches_pending = 0
 
     # -- life cycle ------------------------------------------------------------------------
 
@@ -106,7 +110,10 @@ class Engine:
         are ready."""
         served = predictor_for(self.model_dir, self.config.predictor_rates)
         c = self.config = dataclasses.replace(self.config, predictor_rates=served.rates)
+        self.degrees = ModelDegrees.of(self.model_dir)
+        self.degrees.check(c.instances)
         self.profile = await load_or_measure_profile(c, self.model_dir)
+        self.planner_degrees = self.degrees.for_planner(c, self.profile)
         self.builder = RequestBuilder(c, self.model_dir, self.profile)
         self.tokenizer = self.builder.tokenizer
         self.scheduler = Scheduler(
@@ -279,7 +286,11 @@ class Engine:
                 log.exception("periodic replan failed")
 
     async def launch_instance(self, tp: int, gpus: tuple[int, ...], node: int = 0) -> int:
-        """Starts an instance and returns its id once it serves."""
+        """Starts an instance of `tp` ranks on devices `gpus` and returns its id once it
+        serves; a degree the model cannot be split into raises `UnsupportedDegreeError`."""
+        self.degrees.check((tp,))
+        if len(gpus) != tp:
+            raise ValueError(f"a TP-{tp} instance needs {tp} devices, got {gpus}")
         inst = InstanceRecord(next(self._instance_ids), tp, gpus, node)
         self.instances[inst.id] = inst
         await self._start_worker(inst)
@@ -288,12 +299,19 @@ class Engine:
             raise EngineStoppedError(f"instance {inst.id} failed to start")
         return inst.id
 
-    async def stop_instance(self, instance_id: int) -> None:
+    async def stop_instance(self, instance_id: int, *, handover: bool = False) -> None:
         """Drains an instance (its requests migrate away at their next recompute step),
-        then stops its worker; returns once it has exited."""
+        then stops its worker; returns once it has exited. With `handover` (the last
+        instance of a reconfiguration that launches others next) it does not wait for
+        somewhere to migrate to: its requests wait, holding only the engine's copy of their
+        state, and resume on the next instance with a recompute step."""
         inst = self.instances[instance_id]
         inst.stopping = True
-        if inst.registered:
+        if handover and inst.handle is not None and not inst.shutdown_sent:
+            self._forget(inst)
+            inst.shutdown_sent = True
+            self._send(inst, Shutdown())
+        elif inst.registered:
             self.scheduler.drain_instance(instance_id)
         elif inst.handle is not None:
             inst.handle.kill()
@@ -316,6 +334,7 @@ class Engine:
             dtype=c.dtype,
             device=c.device if c.device == "cpu" else f"{c.device}:{inst.gpus[0]}",
             threads=c.worker_threads,
+            devices=tuple(c.device if c.device == "cpu" else f"{c.device}:{g}" for g in inst.gpus),
         )
         handle = await self.launcher.launch(spec)
         inst.handle = handle
@@ -367,7 +386,11 @@ class Engine:
         for future in (inst.started, inst.stopped):
             if not future.done():
                 future.set_result(None)
-        if self._running and not self.instances:
+        self.fail_if_unserved()
+
+    def fail_if_unserved(self) -> None:
+        """With no instance left and none about to be launched, every request fails."""
+        if self._running and not self.instances and not self.launches_pending:
             for req in list(self._requests.values()):
                 self._fail(req, EngineStoppedError("no instance is left to serve requests"))
 

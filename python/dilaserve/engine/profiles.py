@@ -1,6 +1,7 @@
 """The latency profile the scheduler plans with: a given file, or one measured on this
 machine by `dilaserve profile` in a separate process (so the engine never loads weights)
-with the workers' thread count, cached per model, device and settings."""
+with the workers' thread count, for every TP degree the engine starts or may plan, cached
+per model, device and settings."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ def cache_path(config: EngineConfig, model_dir: str) -> Path:
             config.device,
             config.worker_threads,
             config.block_length,
+            config.measured_degrees,
             STARTUP_TOKENS,
             STARTUP_REPEATS,
         ]
@@ -61,6 +63,7 @@ async def load_or_measure_profile(config: EngineConfig, model_dir: str) -> Laten
         "--model", model_dir, "--dtype", config.dtype, "--device", config.device,
         "--threads", str(config.worker_threads), "--block-length", str(config.block_length),
         "--tokens", ",".join(map(str, STARTUP_TOKENS)), "--repeats", str(STARTUP_REPEATS),
+        "--tp", ",".join(map(str, config.measured_degrees)),
         "--output", str(partial),
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip

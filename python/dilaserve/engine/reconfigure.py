@@ -1,6 +1,12 @@
 """Live reconfiguration (DESIGN §7): plan a new instance layout and execute the planner's
 Stage-2 sequence while serving — launch (start the worker, wait until ready, announce it
-to the scheduler), drain by migration, stop once empty."""
+to the scheduler), drain by migration, stop once empty.
+
+When the devices a launch needs are all held by running instances (two TP-1 instances on
+a two-slot node becoming one TP-2), the last of them cannot drain anywhere: it is stopped
+by handover instead — its requests wait with the engine's copy of their state and resume on
+the new instance with a recompute step — so the change loses nothing, at the price of a
+pause as long as the launch."""
 
 from __future__ import annotations
 
@@ -61,6 +67,7 @@ class Reconfigurer:
     async def scale_to(self, targets: Mapping[int, int]) -> TransitionPlan:
         """Moves to `targets` instances per TP degree, keeping running instances where it
         can; returns once every launch is serving and every stopped instance has exited."""
+        self.engine.degrees.check(d for d, count in targets.items() if count > 0)
         async with self._lock:
             current, ids = self.deployment()
             transition = await asyncio.to_thread(
@@ -89,7 +96,7 @@ class Reconfigurer:
                 node_gpus=[c.slots],
                 config=PlannerConfig(
                     slo_seconds=c.slo_scale * isolated,
-                    degrees=c.planner_degrees,
+                    degrees=engine.planner_degrees,
                     batch_tokens=tuple(sorted({*DEFAULT_BATCH_TOKENS, c.max_batch_tokens})),
                     caching=caching,
                     block_length=c.block_length,
@@ -113,10 +120,34 @@ class Reconfigurer:
         return [ThresholdOption(t, r) for t, r in sorted(rates)]
 
     async def _execute(self, transition: TransitionPlan, ids: list[int]) -> None:
-        for action in transition.actions:
-            if isinstance(action, LaunchAction):
-                log.info("reconfigure: launch TP-%d on %s", action.degree, action.gpus)
-                await self.engine.launch_instance(action.degree, action.gpus, action.node)
-            else:
-                log.info("reconfigure: stop instance %d", ids[action.instance])
-                await self.engine.stop_instance(ids[action.instance])
+        engine = self.engine
+        actions = list(transition.actions)
+        launches = sum(isinstance(a, LaunchAction) for a in actions)
+        engine.launches_pending += launches
+        try:
+            for i, action in enumerate(actions):
+                if isinstance(action, LaunchAction):
+                    log.info("reconfigure: launch TP-%d on %s", action.degree, action.gpus)
+                    try:
+                        await engine.launch_instance(action.degree, action.gpus, action.node)
+                    finally:
+                        engine.launches_pending -= 1
+                        launches -= 1
+                    continue
+                instance = ids[action.instance]
+                handover = self._last_serving(instance) and any(
+                    isinstance(a, LaunchAction) for a in actions[i + 1 :]
+                )
+                log.info(
+                    "reconfigure: stop instance %d%s", instance, " by handover" if handover else ""
+                )
+                await engine.stop_instance(instance, handover=handover)
+        finally:
+            engine.launches_pending -= launches
+            engine.fail_if_unserved()
+
+    def _last_serving(self, instance_id: int) -> bool:
+        """No other instance is serving or starting up to take this one's requests."""
+        return not any(
+            i.id != instance_id and not i.stopping for i in self.engine.instances.values()
+        )

@@ -52,29 +52,36 @@ def run_on_group(
     with tempfile.TemporaryDirectory(prefix="dilaserve-group-") as tmp:
         result = Path(tmp) / "result.pkl"
         init = f"file://{tmp}/rendezvous"
-        context = mp.start_processes(
+        spawn_ranks(
             _rank_main,
-            args=(world_size, init, str(model_dir), dtype, devices, threads, fn, args, result),
-            nprocs=world_size,
-            join=False,
-            start_method="spawn",
+            (world_size, init, str(model_dir), dtype, devices, threads, fn, args, result),
+            world_size,
+            timeout_s=timeout_s,
         )
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not context.join(timeout=0.5):
-                if time.monotonic() > deadline:
-                    raise LocalGroupError(f"local group of {world_size} ran past {timeout_s} s")
-        except mp.ProcessRaisedException as exc:
-            raise LocalGroupError(f"a rank failed: {exc}") from exc
-        except mp.ProcessExitedException as exc:
-            raise LocalGroupError(f"a rank exited: {exc}") from exc
-        finally:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-                process.join()
         with result.open("rb") as f:
             return pickle.load(f)
+
+
+def spawn_ranks(
+    fn: Callable[..., None], args: tuple[Any, ...], world_size: int, *, timeout_s: float
+) -> None:
+    """Runs `fn(rank, *args)` in `world_size` fresh processes and waits for all of them; a
+    failing rank, or the time limit, ends every rank and raises `LocalGroupError`."""
+    context = mp.start_processes(fn, args=args, nprocs=world_size, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not context.join(timeout=0.5):
+            if time.monotonic() > deadline:
+                raise LocalGroupError(f"local group of {world_size} ran past {timeout_s} s")
+    except mp.ProcessRaisedException as exc:
+        raise LocalGroupError(f"a rank failed: {exc}") from exc
+    except mp.ProcessExitedException as exc:
+        raise LocalGroupError(f"a rank exited: {exc}") from exc
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+            process.join()
 
 
 def _rank_main(
