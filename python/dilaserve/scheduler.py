@@ -101,6 +101,9 @@ class Policy:
     migration: bool = True
     prediction: Literal["online", "one_shot"] = "online"
     #: With online prediction, re-run the predictor every this many steps of a request.
+    #: DESIGN §3: the largest interval whose error stays within 5 % of refreshing every
+    #: step. On dilaserve-tiny that is 1 (every 2 steps already errs 9 % more;
+    #: `benches/predictor.py`, `predict_every_default`); measure it for other models.
     predict_every: int = 1
 
     @classmethod

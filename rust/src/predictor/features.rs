@@ -6,6 +6,7 @@
 //! the inputs it was trained on.
 
 use super::error::GbmError;
+use super::forest::normalize;
 use crate::scheduler::RequestView;
 
 /// DESIGN §3's 11 features, in the order the shipped boosters use.
@@ -113,11 +114,12 @@ impl FeatureMap {
         self.threshold
     }
 
-    /// Writes the booster's row for `view` into `row` (its threshold column left at 0).
+    /// Writes the booster's row for `view` into `row` (its threshold column left at 0),
+    /// normalised as LightGBM reads inputs.
     pub fn fill(&self, view: &RequestView, row: &mut [f64]) {
         let all = known_features(view);
         for (slot, &c) in row.iter_mut().zip(&self.columns) {
-            *slot = all[c];
+            *slot = normalize(all[c]);
         }
     }
 }

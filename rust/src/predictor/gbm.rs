@@ -9,12 +9,20 @@
 //! Outputs are made consistent with what is certain about a live request: at least one
 //! step is left; recompute steps lie between the one already due (a block's first step or
 //! a lost cache) and one per remaining block, and never exceed the total.
+//!
+//! The boosters are specialised to the candidate thresholds on first use (and again if
+//! the thresholds change; see `specialized`). When the thresholds share specialised trees
+//! (few threshold splits, or one threshold), a batch is evaluated by branch-free walks of
+//! several requests at a time; otherwise, and beyond 64 thresholds, by one walk per
+//! request and tree that forks only at threshold splits.
 
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use super::error::GbmError;
-use super::features::FeatureMap;
+use super::features::{FeatureMap, KNOWN_FEATURES};
 use super::forest::{normalize, Forest, Varying};
+use super::specialized::{Specialized, LANES};
 use crate::scheduler::{PredictError, RequestView, StepPredictor, StepsLeft};
 
 /// File name of the recompute booster next to `predictor.txt` (see [`GbmPredictor::load`]).
@@ -24,6 +32,8 @@ pub const RECOMPUTE_SUFFIX: &str = "_recompute";
 const PARALLEL_MIN_REQUESTS: usize = 2048;
 /// Most threads one batch uses.
 const MAX_THREADS: usize = 4;
+/// A row of any booster's features (boosters use distinct known features).
+type Row = [f64; KNOWN_FEATURES.len()];
 
 #[derive(Clone, Debug)]
 struct Booster {
@@ -36,13 +46,28 @@ impl Booster {
         let map = FeatureMap::new(forest.feature_names())?;
         Ok(Self { forest, map })
     }
+
+    fn specialize(&self, taus: &[f64]) -> Specialized {
+        Specialized::new(&self.forest, self.map.threshold_column(), taus)
+    }
+}
+
+/// Both boosters specialised to one set of thresholds.
+#[derive(Debug)]
+struct Specializations {
+    total: Specialized,
+    recompute: Option<Specialized>,
+    /// Lock-step walks pay off (see `Specialized::worthwhile`); else the forking walk runs.
+    worthwhile: bool,
 }
 
 /// Remaining-step predictions from LightGBM boosters, evaluated natively.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct GbmPredictor {
     total: Booster,
     recompute: Option<Booster>,
+    /// The boosters specialised to the thresholds of the last call.
+    specialized: Mutex<Option<Arc<Specializations>>>,
 }
 
 impl GbmPredictor {
@@ -53,6 +78,7 @@ impl GbmPredictor {
         Ok(Self {
             total: Booster::new(total)?,
             recompute: recompute.map(Booster::new).transpose()?,
+            specialized: Mutex::new(None),
         })
     }
 
@@ -89,9 +115,115 @@ impl GbmPredictor {
     pub fn recompute_model(&self) -> Option<&Forest> {
         self.recompute.as_ref().map(|b| &b.forest)
     }
+
+    /// The boosters specialised to `taus`, built on the first call with these thresholds.
+    fn specializations(&self, taus: &[f64]) -> Option<Arc<Specializations>> {
+        if taus.len() > 64 {
+            return None;
+        }
+        let mut cached = self
+            .specialized
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(s) = cached.as_ref().filter(|s| s.total.values() == taus) {
+            return Some(s.clone()).filter(|s| s.worthwhile);
+        }
+        let total = self.total.specialize(taus);
+        let recompute = self.recompute.as_ref().map(|b| b.specialize(taus));
+        let worthwhile = total.worthwhile(self.total.forest.num_trees())
+            && recompute.as_ref().is_none_or(|r| {
+                r.worthwhile(self.recompute.as_ref().map_or(0, |b| b.forest.num_trees()))
+            });
+        let built = Arc::new(Specializations {
+            total,
+            recompute,
+            worthwhile,
+        });
+        *cached = Some(built.clone());
+        Some(built).filter(|s| s.worthwhile)
+    }
+
+    fn predict_serial(
+        &self,
+        requests: &[RequestView],
+        taus: &[f64],
+        spec: Option<&Specializations>,
+        out: &mut [StepsLeft],
+    ) {
+        match spec {
+            Some(spec) => self.predict_lanes(requests, taus.len(), spec, out),
+            None => self.predict_forking(requests, taus, out),
+        }
+    }
+
+    /// Groups of [`LANES`] requests through the specialised boosters.
+    fn predict_lanes(
+        &self,
+        requests: &[RequestView],
+        k: usize,
+        spec: &Specializations,
+        out: &mut [StepsLeft],
+    ) {
+        let mut rows: [Row; LANES] = [[0.0; KNOWN_FEATURES.len()]; LANES];
+        let mut rec_rows: [Row; LANES] = [[0.0; KNOWN_FEATURES.len()]; LANES];
+        let mut total = vec![0.0; LANES * k];
+        let mut recompute = vec![0.0; LANES * k];
+        for (group, group_out) in requests.chunks(LANES).zip(out.chunks_mut(LANES * k)) {
+            let n = group.len();
+            for (view, row) in group.iter().zip(&mut rows) {
+                self.total.map.fill(view, row);
+            }
+            spec.total.raw_scores(&rows[..n], &mut total[..n * k]);
+            if let (Some(booster), Some(s)) = (&self.recompute, &spec.recompute) {
+                for (view, row) in group.iter().zip(&mut rec_rows) {
+                    booster.map.fill(view, row);
+                }
+                s.raw_scores(&rec_rows[..n], &mut recompute[..n * k]);
+            }
+            for (l, (view, row)) in group.iter().zip(group_out.chunks_exact_mut(k)).enumerate() {
+                let raw = |b: &Booster, v: &[f64], j: usize| b.forest.finish(v[l * k + j]);
+                for (j, slot) in row.iter_mut().enumerate() {
+                    let full = self.recompute.as_ref().map(|b| raw(b, &recompute, j));
+                    *slot = consistent(view, raw(&self.total, &total, j), full);
+                }
+            }
+        }
+    }
+
+    /// One forking walk per request and tree (any number of thresholds).
+    fn predict_forking(&self, requests: &[RequestView], taus: &[f64], out: &mut [StepsLeft]) {
+        let k = taus.len();
+        let mut total = Pass::new(&self.total, k);
+        let mut recompute = self.recompute.as_ref().map(|b| Pass::new(b, k));
+        for (view, row) in requests.iter().zip(out.chunks_exact_mut(k)) {
+            total.run(view, taus);
+            if let Some(pass) = recompute.as_mut() {
+                pass.run(view, taus);
+            }
+            for (j, slot) in row.iter_mut().enumerate() {
+                let full = recompute.as_ref().map(|p| p.raw[j]);
+                *slot = consistent(view, total.raw[j], full);
+            }
+        }
+    }
 }
 
-/// One booster's walk state for a batch.
+/// Booster outputs made consistent with what is certain about a live request.
+#[inline]
+fn consistent(view: &RequestView, total: f64, recompute: Option<f64>) -> StepsLeft {
+    let due = if view.needs_recompute { 1.0 } else { 0.0 };
+    let blocks = f64::from(view.future_blocks()) + due;
+    let steps = total.max(1.0);
+    let full = recompute
+        .map_or(blocks, |r| r.clamp(due, blocks))
+        .min(steps);
+    StepsLeft {
+        cache: steps - full,
+        recompute: full,
+    }
+}
+
+/// One booster's forking walk state for a batch.
 struct Pass<'a> {
     booster: &'a Booster,
     eval: Varying<'a>,
@@ -142,49 +274,25 @@ impl StepPredictor for GbmPredictor {
             return Ok(());
         }
         let taus: Vec<f64> = thresholds.iter().map(|&t| normalize(t)).collect();
+        let spec = self.specializations(&taus);
+        let spec = spec.as_deref();
         let threads = if requests.len() >= PARALLEL_MIN_REQUESTS {
             std::thread::available_parallelism().map_or(1, |n| n.get().min(MAX_THREADS))
         } else {
             1
         };
         if threads <= 1 {
-            self.predict_serial(requests, &taus, out);
+            self.predict_serial(requests, &taus, spec, out);
             return Ok(());
         }
-        let per = requests.len().div_ceil(threads);
+        // Whole lane groups per thread.
+        let per = requests.len().div_ceil(threads).div_ceil(LANES) * LANES;
         std::thread::scope(|scope| {
             for (part, part_out) in requests.chunks(per).zip(out.chunks_mut(per * k)) {
                 let taus = &taus;
-                scope.spawn(move || self.predict_serial(part, taus, part_out));
+                scope.spawn(move || self.predict_serial(part, taus, spec, part_out));
             }
         });
         Ok(())
-    }
-}
-
-impl GbmPredictor {
-    fn predict_serial(&self, requests: &[RequestView], taus: &[f64], out: &mut [StepsLeft]) {
-        let k = taus.len();
-        let mut total = Pass::new(&self.total, k);
-        let mut recompute = self.recompute.as_ref().map(|b| Pass::new(b, k));
-        for (view, row) in requests.iter().zip(out.chunks_exact_mut(k)) {
-            total.run(view, taus);
-            if let Some(pass) = recompute.as_mut() {
-                pass.run(view, taus);
-            }
-            let due = if view.needs_recompute { 1.0 } else { 0.0 };
-            let blocks = f64::from(view.future_blocks()) + due;
-            for (j, slot) in row.iter_mut().enumerate() {
-                let steps = total.raw[j].max(1.0);
-                let full = recompute
-                    .as_ref()
-                    .map_or(blocks, |p| p.raw[j].clamp(due, blocks))
-                    .min(steps);
-                *slot = StepsLeft {
-                    cache: steps - full,
-                    recompute: full,
-                };
-            }
-        }
     }
 }

@@ -13,6 +13,7 @@ mod error;
 mod features;
 mod forest;
 mod gbm;
+mod specialized;
 mod text_format;
 
 #[cfg(test)]
