@@ -67,7 +67,9 @@ def start_server(server_profile) -> Iterator:
     started: list[LiveServer] = []
 
     def start(settings: ServerSettings | None = None, **config) -> LiveServer:
-        engine_config = EngineConfig(profile=server_profile, threads_per_worker=1, **config)
+        engine_config = EngineConfig(
+            **{"profile": server_profile, "threads_per_worker": 1, **config}
+        )
         live = LiveServer(engine_config, settings or ServerSettings("dilaserve-tiny"))
         started.append(live)
         return live

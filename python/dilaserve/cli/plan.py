@@ -10,6 +10,7 @@ from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
 
+from dilaserve.models import allowed_degrees, check_degree, read_config
 from dilaserve.planner import (
     FAST_DLLM_THRESHOLDS,
     Arrival,
@@ -68,6 +69,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--window", type=float, default=300.0, help="window length in seconds")
     p.add_argument(
         "--degrees", type=_ints, help="comma-separated TP degrees (default: 1,2,4,8 that fit)"
+    )
+    p.add_argument(
+        "--model",
+        type=Path,
+        help="checkpoint directory: plan only the TP degrees its heads, KV heads, MLP width "
+        "and padded vocabulary divide by (reads config.json)",
     )
     p.add_argument("--batch-tokens", type=_ints, help="comma-separated candidate batch sizes")
     p.add_argument("--caching", action="store_true", help="plan for the approximate KV cache")
@@ -137,6 +144,17 @@ def _format(result: Plan, slo: float) -> str:
     return "\n".join(lines)
 
 
+def _model_degrees(model: Path, degrees: tuple[int, ...], explicit: bool) -> tuple[int, ...]:
+    """The degrees the model can be split into: given degrees are checked (an impossible
+    one is an error naming it), default ones filtered."""
+    _, config = read_config(model)
+    if explicit:
+        for degree in degrees:
+            check_degree(config, degree, model / "config.json")
+        return degrees
+    return allowed_degrees(config, degrees)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.nodes <= 0 or args.gpus_per_node <= 0:
         raise ValueError("--nodes and --gpus-per-node must be positive")
@@ -155,6 +173,8 @@ def run(args: argparse.Namespace) -> int:
         profile, window, top.tokens_per_step, args.caching, profile.block_length or 32
     )
     degrees = args.degrees or tuple(d for d in ALL_DEGREES if d <= args.gpus_per_node)
+    if args.model is not None:
+        degrees = _model_degrees(args.model, degrees, explicit=args.degrees is not None)
     config = PlannerConfig(
         slo_seconds=args.slo_scale * alone,
         degrees=degrees,
