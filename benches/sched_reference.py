@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 FACTOR_WEIGHT = 0.2
 FACTOR_CLAMP = 4.0
 BIG = 1 << 62  # an unbounded room
-BOUND_MARGIN = 1.0 - 1e-12
 FAST_DLLM_GSM8K = ((0.5, 7.01), (0.6, 6.17), (0.7, 5.12), (0.8, 4.24), (0.9, 3.25), (1.0, 1.0))
 
 
@@ -36,14 +35,15 @@ class Table:
         n = len(t)
         if n == 1 or x <= t[0]:
             if n == 1 and x > t[0]:
-                return s[0] * x / t[0]
+                return max(s[0] * x / t[0], s[0])
             return s[0]
         hi = min(bisect.bisect_left(t, x), n - 1)
         lo = hi - 1
         slope = (s[hi] - s[lo]) / (t[hi] - t[lo])
         if x > t[n - 1]:
-            return s[n - 1] + max(slope, 0.0) * (x - t[n - 1])
-        return s[lo] + slope * (x - t[lo])
+            return s[n - 1] + slope * (x - t[n - 1])
+        # Clamped to the segment so that rounding never makes a larger batch cheaper.
+        return min(max(s[lo] + slope * (x - t[lo]), s[lo]), s[hi])
 
 
 class DegreeCosts:
@@ -247,30 +247,37 @@ class ChoiceTree:
             nodes[i] = _merge(nodes[2 * i], nodes[2 * i + 1])
 
     def search(self, n: int, seq: int, timed: bool, costs: DegreeCosts, best):
-        if not self.slots:
+        bound = self._bound(1, n, seq, timed, costs)
+        if bound is None:
             return best
-        return self._visit(1, 0, self.width, n, seq, timed, costs, best)
+        return self._visit(1, 0, self.width, bound, n, seq, timed, costs, best)
 
-    def _visit(self, node, first, span, n, seq, timed, costs, best):
+    def _bound(self, node, n, seq, timed, costs):
+        if node >= len(self.nodes):
+            return None
         agg = self.nodes[node]
         if agg[3] < n or agg[4] < seq or agg[5] < 1:
-            return best
+            return None
+        return agg[0] + agg[1] * costs.full(float(agg[2] + n)) if timed else agg[0]
+
+    def _visit(self, node, first, span, bound, n, seq, timed, costs, best):
         first_slot = self.slots[first]
-        if span == 1:
-            key = agg[0] + agg[1] * (costs.full(float(agg[2] + n)) * 1.0) if timed else agg[0]
-            if best is None or key < best[0] or (key == best[0] and first_slot < best[1]):
-                return (key, first_slot)
+        if best is not None and (bound > best[0] or (bound == best[0] and first_slot > best[1])):
             return best
-        if best is not None:
-            if timed:
-                bound = agg[0] + agg[1] * (costs.full(float(agg[2] + n)) * BOUND_MARGIN)
-            else:
-                bound = agg[0]
-            if bound > best[0] or (bound == best[0] and first_slot > best[1]):
-                return best
+        if span == 1:
+            return (bound, first_slot)
         half = span // 2
-        best = self._visit(2 * node, first, half, n, seq, timed, costs, best)
-        return self._visit(2 * node + 1, first + half, half, n, seq, timed, costs, best)
+        left, right = 2 * node, 2 * node + 1
+        lb = self._bound(left, n, seq, timed, costs)
+        rb = self._bound(right, n, seq, timed, costs)
+        if lb is not None and rb is not None and rb < lb:
+            best = self._visit(right, first + half, half, rb, n, seq, timed, costs, best)
+            return self._visit(left, first, half, lb, n, seq, timed, costs, best)
+        if lb is not None:
+            best = self._visit(left, first, half, lb, n, seq, timed, costs, best)
+        if rb is not None:
+            best = self._visit(right, first + half, half, rb, n, seq, timed, costs, best)
+        return best
 
     def any_resident_room(self, seq: int) -> bool:
         return bool(self.slots) and self._room(1, seq)

@@ -10,14 +10,12 @@
 //! `min start + min factor × C(min tokens + n)` — a lower bound of every key in it — cannot
 //! beat the best key found so far. The answer is the exact minimum of (key, slot).
 //!
-//! The bound uses `C` shrunk by one part in 10¹²: the tables interpolate piecewise, so `C`
-//! computed in floating point may dip by a few ulps across a segment boundary; the margin
-//! keeps the bound at or below every key, so pruning never changes the answer.
+//! The bound is exact in floating point, not just in real numbers: `C` never decreases even
+//! by rounding (see `cost`), factors and costs are positive, and rounded addition and
+//! multiplication are monotone. So ties prune too: a subtree whose bound equals the best key
+//! and whose slots all come after the best one's cannot win.
 
 use super::cost::DegreeCosts;
-
-/// Shrinks the cost term of a bound below any rounding dip of the interpolation.
-const BOUND_MARGIN: f64 = 1.0 - 1e-12;
 
 /// One instance's entry, or a subtree's aggregate (minima of the first three fields, maxima
 /// of the rooms).
@@ -78,9 +76,9 @@ pub(crate) struct Query {
 
 impl Query {
     /// Key of a leaf, or a lower bound of the keys below an aggregate.
-    fn key(&self, leaf: &Leaf, costs: &DegreeCosts, margin: f64) -> f64 {
+    fn key(&self, leaf: &Leaf, costs: &DegreeCosts) -> f64 {
         if self.timed {
-            leaf.start + leaf.factor * (costs.full((leaf.tokens + self.n) as f64) * margin)
+            leaf.start + leaf.factor * costs.full((leaf.tokens + self.n) as f64)
         } else {
             leaf.start
         }
@@ -142,42 +140,62 @@ impl ChoiceTree {
 
     /// Improves `best` with the minimum (key, slot) over leaves that admit the query.
     pub fn search(&self, q: &Query, costs: &DegreeCosts, best: &mut Best) {
-        if !self.slots.is_empty() {
-            self.visit(1, 0, self.width, q, costs, best);
+        if let Some(bound) = self.bound(1, q, costs) {
+            self.visit(1, 0, self.width, bound, q, costs, best);
         }
     }
 
+    /// The lower bound of node `node`'s keys, if some leaf below admits the query.
+    fn bound(&self, node: usize, q: &Query, costs: &DegreeCosts) -> Option<f64> {
+        let agg = self.nodes.get(node)?;
+        agg.admits(q.n as i64, q.seq as i64)
+            .then(|| q.key(agg, costs))
+    }
+
+    /// Visits admitting node `node` (leaves `first..first + span`, keys at least `bound`).
+    #[allow(clippy::too_many_arguments)]
     fn visit(
         &self,
         node: usize,
         first: usize,
         span: usize,
+        bound: f64,
         q: &Query,
         costs: &DegreeCosts,
         best: &mut Best,
     ) {
-        let agg = &self.nodes[node];
-        if !agg.admits(q.n as i64, q.seq as i64) {
-            return;
-        }
         // Leaves past the last instance are CLOSED, so an admitting node has `first` in range.
         let first_slot = self.slots[first];
-        if span == 1 {
-            let key = q.key(agg, costs, 1.0);
-            if beats(key, first_slot, *best) {
-                *best = Some((key, first_slot));
-            }
-            return;
-        }
         if let Some((k, s)) = *best {
-            let bound = q.key(agg, costs, BOUND_MARGIN);
             if bound > k || (bound == k && first_slot > s) {
                 return;
             }
         }
+        if span == 1 {
+            // A leaf's bound is its key.
+            if beats(bound, first_slot, *best) {
+                *best = Some((bound, first_slot));
+            }
+            return;
+        }
+        // The child with the lower bound first: the best leaf is found early and prunes
+        // the rest.
         let half = span / 2;
-        self.visit(2 * node, first, half, q, costs, best);
-        self.visit(2 * node + 1, first + half, half, q, costs, best);
+        let (left, right) = (2 * node, 2 * node + 1);
+        let (lb, rb) = (self.bound(left, q, costs), self.bound(right, q, costs));
+        if let (Some(l), Some(r)) = (lb, rb) {
+            if r < l {
+                self.visit(right, first + half, half, r, q, costs, best);
+                self.visit(left, first, half, l, q, costs, best);
+                return;
+            }
+        }
+        if let Some(l) = lb {
+            self.visit(left, first, half, l, q, costs, best);
+        }
+        if let Some(r) = rb {
+            self.visit(right, first + half, half, r, q, costs, best);
+        }
     }
 
     /// Whether some leaf has resident room for `seq` sequence tokens (batch room aside).
@@ -263,7 +281,7 @@ mod tests {
                     let mut expected: Best = None;
                     for (i, l) in leaves.iter().enumerate() {
                         if l.admits(n as i64, seq as i64) {
-                            let key = q.key(l, &costs, 1.0);
+                            let key = q.key(l, &costs);
                             if beats(key, slots[i], expected) {
                                 expected = Some((key, slots[i]));
                             }

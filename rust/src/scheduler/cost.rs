@@ -1,42 +1,71 @@
 //! Step costs of one TP degree, read from the latency profile (DESIGN §2, §5).
 //!
 //! Measured tables can dip where a larger batch happened to run faster; the scheduler uses
-//! their running maximum so that cost never decreases with batch tokens *(ours)*. That keeps
-//! "earliest predicted completion" equal to "fewest batch tokens" within one degree, which is
-//! what lets instance choice use a heap instead of scanning every instance.
+//! their running maximum so that cost never decreases with batch tokens *(ours)*, and it
+//! interpolates them so that this holds exactly in floating point too: instance choice
+//! prunes its search with lower bounds that rely on it (see `choice_tree`).
 
-use crate::profile::{LatencyProfile, LatencyTable, ProfileError, StepKind};
+use crate::profile::{LatencyProfile, ProfileError, StepKind};
+
+/// A latency table made non-decreasing, interpolated like [`crate::profile::LatencyTable`]
+/// but with each segment's value clamped between its end points, so that rounding never
+/// makes a larger batch cheaper.
+#[derive(Clone, Debug)]
+struct MonotoneTable {
+    tokens: Vec<f64>,
+    seconds: Vec<f64>,
+}
+
+impl MonotoneTable {
+    fn new(profile: &LatencyProfile, tp: u32, kind: StepKind) -> Result<Self, ProfileError> {
+        let mut worst = 0.0f64;
+        let (tokens, seconds) = profile
+            .table(tp, kind)?
+            .points()
+            .map(|(tokens, secs)| {
+                worst = worst.max(secs);
+                (tokens as f64, worst)
+            })
+            .unzip();
+        Ok(Self { tokens, seconds })
+    }
+
+    fn latency(&self, x: f64) -> f64 {
+        let (t, s) = (&self.tokens, &self.seconds);
+        let n = t.len();
+        if n == 1 || x <= t[0] {
+            if n == 1 && x > t[0] {
+                // One point: cost proportional to tokens beyond it.
+                return (s[0] * x / t[0]).max(s[0]);
+            }
+            return s[0];
+        }
+        let hi = t.partition_point(|&v| v < x).min(n - 1);
+        let lo = hi - 1;
+        let slope = (s[hi] - s[lo]) / (t[hi] - t[lo]);
+        if x > t[n - 1] {
+            return s[n - 1] + slope * (x - t[n - 1]);
+        }
+        (s[lo] + slope * (x - t[lo])).max(s[lo]).min(s[hi])
+    }
+
+    fn points(&self) -> impl Iterator<Item = f64> + '_ {
+        self.tokens.iter().copied()
+    }
+}
 
 /// Non-decreasing step-latency tables of one TP degree.
 #[derive(Clone, Debug)]
 pub struct DegreeCosts {
     pub tp: u32,
     /// Full-sequence steps: recompute steps with caching, no-cache steps without.
-    full: LatencyTable,
+    full: MonotoneTable,
     /// Block-only steps; present only with caching.
-    cache: Option<LatencyTable>,
+    cache: Option<MonotoneTable>,
     /// Full-sequence tokens per second at the best batch size within `default_budget`
     /// (no caching only; with caching throughput depends on sequence lengths).
     full_throughput: f64,
     default_budget: u64,
-}
-
-fn monotone_table(
-    profile: &LatencyProfile,
-    tp: u32,
-    kind: StepKind,
-) -> Result<LatencyTable, ProfileError> {
-    let mut worst = 0.0f64;
-    let points: Vec<(u64, f64)> = profile
-        .table(tp, kind)?
-        .points()
-        .map(|(tokens, secs)| {
-            worst = worst.max(secs);
-            (tokens, worst)
-        })
-        .collect();
-    let clean = LatencyProfile::from_tables([(tp, kind, points)])?;
-    Ok(clean.table(tp, kind)?.clone())
 }
 
 /// What bounds one instance's throughput: its batch budget and its resident capacity.
@@ -59,9 +88,8 @@ impl Limits {
 }
 
 /// Best full-sequence tokens per second of `full` in steps of at most `budget` tokens.
-fn best_full_rate(full: &LatencyTable, budget: f64) -> f64 {
+fn best_full_rate(full: &MonotoneTable, budget: f64) -> f64 {
     full.points()
-        .map(|(tokens, _)| tokens as f64)
         .filter(|&tokens| tokens <= budget)
         .chain([budget])
         .map(|tokens| tokens / full.latency(tokens))
@@ -77,11 +105,11 @@ impl DegreeCosts {
     ) -> Result<Self, ProfileError> {
         let (full, cache) = if caching {
             (
-                monotone_table(profile, tp, StepKind::Recompute)?,
-                Some(monotone_table(profile, tp, StepKind::Cache)?),
+                MonotoneTable::new(profile, tp, StepKind::Recompute)?,
+                Some(MonotoneTable::new(profile, tp, StepKind::Cache)?),
             )
         } else {
-            (monotone_table(profile, tp, StepKind::NoCache)?, None)
+            (MonotoneTable::new(profile, tp, StepKind::NoCache)?, None)
         };
         let full_throughput = best_full_rate(&full, max_batch_tokens as f64);
         Ok(Self {
@@ -179,6 +207,33 @@ mod tests {
         assert!((c.full(300.0) - 0.020).abs() < 1e-12);
         let xs: Vec<f64> = (1..60).map(|i| f64::from(i) * 10.0).collect();
         assert!(xs.windows(2).all(|w| c.full(w[0]) <= c.full(w[1])));
+    }
+
+    #[test]
+    fn cost_never_decreases_even_by_rounding() {
+        // Awkward slopes whose interpolation rounds past a segment's end point.
+        let odd = LatencyProfile::from_tables([(
+            1,
+            StepKind::NoCache,
+            vec![
+                (3, 0.1),
+                (7, 0.1 + 1e-17),
+                (13, 0.3),
+                (29, 0.7000000000000001),
+            ],
+        )])
+        .unwrap();
+        let c = DegreeCosts::new(&odd, 1, false, 100).unwrap();
+        let mut last = 0.0;
+        for i in 0..4000 {
+            let x = f64::from(i) * 0.0123;
+            let y = c.full(x);
+            assert!(y >= last, "cost at {x} dips below the cost before it");
+            last = y;
+        }
+        let one = LatencyProfile::from_tables([(1, StepKind::NoCache, vec![(3, 0.1)])]).unwrap();
+        let c = DegreeCosts::new(&one, 1, false, 100).unwrap();
+        assert!(c.full(3.0000000001) >= c.full(3.0));
     }
 
     #[test]
