@@ -16,6 +16,7 @@ from dilaserve.models import load_model, load_tokenizer
 from dilaserve.predictor.calibrate import RateTable, rates_from_table
 from dilaserve.predictor.collect import CollectConfig, Prompt, collect, plan_runs
 from dilaserve.predictor.evaluate import best_interval, refresh_errors, sorted_by_run
+from dilaserve.predictor.features import FEATURE_NAMES
 from dilaserve.predictor.train import TrainConfig, train
 from dilaserve.tiny import default_model_dir
 from dilaserve.worker.runner import StepRunner
@@ -45,6 +46,7 @@ def test_runs_cover_every_threshold_and_switch():
 
 
 def test_collected_rows_carry_true_labels(small_table):
+    assert set(FEATURE_NAMES) <= set(small_table.column_names)
     rows = sorted_by_run(small_table).to_pylist()
     assert {r["task"] for r in rows} == {"draw", "add", "tr"}
     by_run: dict[int, list[dict]] = {}

@@ -8,7 +8,8 @@ confidence statistics of the last report, dropped after a step that completed it
 exactly as the scheduler drops them); when the run ends each row gets its labels, the
 true remaining steps and remaining recompute (full-sequence) steps. A row is `labeled`
 when every step after it runs at `tau`, so its labels are the truth for that threshold;
-the earlier rows of a switched run are kept for evaluating refresh intervals.
+the earlier rows of a switched run are kept for evaluating refresh intervals. Every one
+of DESIGN §3's 11 features is a column too (`features.FEATURE_NAMES`, at the run's `tau`).
 
 The table is written as Parquet (`save`), one file per collection.
 """
@@ -27,7 +28,12 @@ import pyarrow.parquet as pq
 from transformers import PreTrainedTokenizerBase
 
 from dilaserve.models import encode_prompt
-from dilaserve.predictor.features import CONFIDENCE_COLUMNS
+from dilaserve.predictor.features import (
+    CONFIDENCE_COLUMNS,
+    FEATURE_NAMES,
+    STATE_COLUMNS,
+    feature_matrix,
+)
 from dilaserve.protocol import RequestState, StepEntry, StepKind, whole_blocks
 from dilaserve.worker.runner import StepRunner
 
@@ -225,13 +231,24 @@ def _label(trace: _Trace) -> list[dict]:
     return rows
 
 
+def with_features(table: pa.Table) -> pa.Table:
+    """Adds the columns of DESIGN §3's features not already among the state columns, each
+    row at its run's `tau`, so every one of `FEATURE_NAMES` is a column."""
+    columns = {name: table.column(name).to_numpy() for name in STATE_COLUMNS}
+    missing = [n for n in FEATURE_NAMES if n not in table.column_names]
+    values = feature_matrix(columns, table.column("tau").to_numpy(), missing)
+    for j, name in enumerate(missing):
+        table = table.append_column(name, pa.array(values[:, j]))
+    return table
+
+
 def to_table(
     traces: Sequence[_Trace], prompts: Sequence[Prompt], config: CollectConfig
 ) -> pa.Table:
     rows = [row for trace in traces for row in _label(trace)]
     for row in rows:
         row["task"] = prompts[row["prompt"]].task
-    table = pa.Table.from_pylist(rows)
+    table = with_features(pa.Table.from_pylist(rows))
     meta = {"collect_config": json.dumps(config.__dict__ | {"thresholds": list(config.thresholds)})}
     return table.replace_schema_metadata(meta)
 
