@@ -3,15 +3,17 @@ a TP-2 step, and the bytes the vocabulary-parallel commit exchanges per position
 
 A random LLaDA-format model wide enough for the layers to dominate (d=768, 12 heads, MLP
 2048, 4 layers, 32k vocabulary) runs a recompute step over 2 requests of 256 tokens and a
-dual-cache step over 8 requests' 32-token blocks, through the serving `StepRunner`:
-TP-1 in this process with one intra-op thread (one device), TP-2 as two rank processes
-with one thread each (two devices, gloo), and TP-1 with two threads (the same two cores
-inside one process). Times are wall-clock medians of REPEATS steps after a warm-up; on a
-CPU the ranks share the machine's cores with everything else, so the ratio, not the
-absolute time, is the figure. The all-reduce share is rank 0's time inside all-reduce calls
-over its step time (waiting for the slower rank included). The commit's bytes are what one
-rank contributes per position, measured on the 32k model and on a 152k-vocabulary model
-(Dream's), against gathering that rank's logits. Prints one JSON object per line.
+dual-cache step over 8 requests' 32-token blocks, through the serving `StepRunner`, three
+ways: TP-2 as two rank processes with one intra-op thread each (two devices, gloo), TP-1
+with one thread (one device), and TP-1 with two threads (the same two cores in one
+process). The TP-1 model lives in rank 0's process and its steps are interleaved with the
+TP-2 steps, trial by trial, so all three see the same load on a shared machine (the other
+rank sleeps in a blocking receive meanwhile). Times are wall-clock medians of REPEATS steps
+after a warm-up; the ratio, not the absolute time, is the figure. The all-reduce share is
+rank 0's time inside all-reduce calls over its step time (waiting for the slower rank
+included). The commit's bytes are what one rank contributes per position, measured on the
+32k model and on a 152k-vocabulary model (Dream's), against gathering that rank's logits.
+Prints one JSON object per line.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from dilaserve.worker.local_group import run_on_group
 from dilaserve.worker.runner import StepRunner
 
 BLOCK = 32
-REPEATS = 5
+REPEATS = 7
 WIDE = {
     "d_model": 768,
     "n_heads": 12,
@@ -55,105 +57,129 @@ def emit(name: str, value: float, unit: str, **extra) -> None:
     print(json.dumps({"name": name, "value": round(value, 4), "unit": unit, **extra}), flush=True)
 
 
-def time_steps(model, kind: StepKind, repeats: int = REPEATS) -> dict:
-    """Median step time of `kind` and, on a TP rank 0, what its group spent per step."""
-    requests, prompt = SHAPES[kind]
-    runner = StepRunner(model, cache="dual", max_requests=requests, max_seq_len=prompt + BLOCK)
-    group = runner.group
-    rng = random.Random(0)
-    config = model.config
-    samples, all_reduce_s, calls = [], 0.0, 0
-    commit_bytes = commit_positions = 0
-    for trial in range(repeats + 1):  # the first is a warm-up
-        ids = [trial * requests + i for i in range(requests)]
+class Timed:
+    """One configuration's runner for one step kind, and what its steps cost."""
+
+    def __init__(self, model, kind: StepKind, threads: int) -> None:
+        requests, prompt = SHAPES[kind]
+        self.kind, self.threads, self.requests, self.prompt = kind, threads, requests, prompt
+        self.runner = StepRunner(
+            model, cache="dual", max_requests=requests, max_seq_len=prompt + BLOCK
+        )
+        self.rng = random.Random(0)
+        self.samples: list[float] = []
+        self.all_reduce_s = 0.0
+        self.calls = self.commit_bytes = self.commit_positions = 0
+        self._next_id = 0
+
+    def trial(self, keep: bool) -> None:
+        runner, config = self.runner, self.runner.config
+        ids = list(range(self._next_id, self._next_id + self.requests))
+        self._next_id += self.requests
         for rid in ids:
-            tokens = [rng.randrange(1, config.vocab_size) for _ in range(prompt)]
+            tokens = [self.rng.randrange(1, config.vocab_size) for _ in range(self.prompt)]
             tokens = [t if t != config.mask_token_id else 1 for t in tokens]
-            runner.add(
-                RequestState.new(
-                    rid, tokens, BLOCK, block_length=BLOCK, mask_token_id=config.mask_token_id
-                )
+            state = RequestState.new(
+                rid, tokens, BLOCK, block_length=BLOCK, mask_token_id=config.mask_token_id
             )
-        if kind is StepKind.CACHE:  # fill the cache; τ = 1 commits one token per request
+            runner.add(state)
+        if self.kind is StepKind.CACHE:  # fill the cache; τ = 1 commits one token per request
             runner.step([StepEntry(rid, 1.0, StepKind.RECOMPUTE) for rid in ids])
+        group = runner.group
         if group is not None:
             group.stats.reset()
+        torch.set_num_threads(self.threads)
         started = time.perf_counter()
-        runner.step([StepEntry(rid, 1.0, kind) for rid in ids])
+        runner.step([StepEntry(rid, 1.0, self.kind) for rid in ids])
         elapsed = time.perf_counter() - started
-        if trial:
-            samples.append(elapsed)
+        torch.set_num_threads(1)
+        if keep:
+            self.samples.append(elapsed)
             if group is not None:
-                all_reduce_s += group.stats.all_reduce_seconds
-                calls += group.stats.all_reduce_calls
-                commit_bytes += group.stats.commit_bytes
-                commit_positions += group.stats.commit_positions
+                self.all_reduce_s += group.stats.all_reduce_seconds
+                self.calls += group.stats.all_reduce_calls
+                self.commit_bytes += group.stats.commit_bytes
+                self.commit_positions += group.stats.commit_positions
         for rid in ids:
             runner.release(rid)
-    return {
-        "seconds": statistics.median(samples),
-        "all_reduce_share": all_reduce_s / sum(samples),
-        "all_reduce_calls": calls / repeats,
-        "commit_bytes_per_position": commit_bytes / commit_positions if commit_positions else 0,
-    }
+
+    def summary(self) -> dict:
+        steps = len(self.samples)
+        return {
+            "seconds": statistics.median(self.samples),
+            "all_reduce_share": self.all_reduce_s / sum(self.samples),
+            "all_reduce_calls": self.calls / steps,
+            "commit_bytes_per_position": (
+                self.commit_bytes / self.commit_positions if self.commit_positions else 0.0
+            ),
+        }
 
 
-def time_every_kind(model) -> dict[str, dict]:
-    return {kind.value: time_steps(model, kind) for kind in SHAPES}
+def side_by_side(tp2_model, tp1_dir: str) -> dict[str, dict[str, dict]]:
+    """Rank 0 of the TP-2 group: per step kind, TP-2, TP-1 (one thread) and TP-1 (two
+    threads) steps interleaved trial by trial."""
+    tp1_model = load_model(tp1_dir)
+    results = {}
+    for kind in SHAPES:
+        configs = {
+            "tp2": Timed(tp2_model, kind, 1),
+            "tp1": Timed(tp1_model, kind, 1),
+            "tp1_two_threads": Timed(tp1_model, kind, 2),
+        }
+        for trial in range(REPEATS + 1):  # the first is a warm-up
+            for timed in configs.values():
+                timed.trial(keep=trial > 0)
+        results[kind.value] = {name: timed.summary() for name, timed in configs.items()}
+    return results
 
 
 def commit_only(model) -> dict:
-    return time_steps(model, StepKind.CACHE, repeats=1)
+    timed = Timed(model, StepKind.CACHE, 1)
+    timed.trial(keep=True)
+    return timed.summary()
 
 
 def main() -> None:
-    torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         wide = write_tiny_checkpoint(Path(tmp) / "wide", "llada", **WIDE)
         large_vocab = write_tiny_checkpoint(Path(tmp) / "vocab", "llada", **LARGE_VOCAB)
-        model = load_model(wide)
-        tp1 = time_every_kind(model)
-        torch.set_num_threads(2)
-        tp1_two_threads = time_every_kind(model)
-        torch.set_num_threads(1)
-        del model
-        tp2 = run_on_group(2, wide, time_every_kind, threads=1, timeout_s=600)
-        vocab_tp2 = run_on_group(2, large_vocab, commit_only, threads=1, timeout_s=600)
+        steps = run_on_group(2, wide, side_by_side, str(wide), threads=1, timeout_s=900)
+        vocab_tp2 = run_on_group(2, large_vocab, commit_only, threads=1, timeout_s=300)
 
-    ms = {
-        k: {n: round(v[k]["seconds"] * 1e3, 2) for n, v in (("tp1", tp1), ("tp2", tp2))}
-        for k in tp1
-    }
-    for k in tp1:
-        ms[k]["tp1_two_threads"] = round(tp1_two_threads[k]["seconds"] * 1e3, 2)
-    main_kind = StepKind.RECOMPUTE.value
-    ratio = tp2[main_kind]["seconds"] / tp1[main_kind]["seconds"]
+    def ms(kind: str) -> dict[str, float]:
+        return {name: round(r["seconds"] * 1e3, 2) for name, r in steps[kind].items()}
+
+    def ratio(kind: str, baseline: str = "tp1") -> float:
+        return steps[kind]["tp2"]["seconds"] / steps[kind][baseline]["seconds"]
+
+    recompute, cache = StepKind.RECOMPUTE.value, StepKind.CACHE.value
+    requests, prompt = SHAPES[StepKind.RECOMPUTE]
     emit(
         "tp2_step_time_ratio",
-        ratio,
+        ratio(recompute),
         "x",
         baseline="tp1_one_thread",
-        ratio=round(ratio, 4),
-        kind=main_kind,
-        batch_tokens=SHAPES[StepKind.RECOMPUTE][0] * (SHAPES[StepKind.RECOMPUTE][1] + BLOCK),
-        cache_step_ratio=round(tp2["cache"]["seconds"] / tp1["cache"]["seconds"], 4),
-        vs_tp1_two_threads=round(
-            tp2[main_kind]["seconds"] / tp1_two_threads[main_kind]["seconds"], 4
-        ),
-        ms=ms,
+        ratio=round(ratio(recompute), 4),
+        kind=recompute,
+        batch_tokens=requests * (prompt + BLOCK),
+        cache_step_ratio=round(ratio(cache), 4),
+        vs_tp1_two_threads=round(ratio(recompute, "tp1_two_threads"), 4),
+        cache_step_vs_tp1_two_threads=round(ratio(cache, "tp1_two_threads"), 4),
+        ms={recompute: ms(recompute), cache: ms(cache)},
         model={k: WIDE[k] for k in ("d_model", "n_layers", "mlp_hidden_size", "vocab_size")},
     )
+    tp2 = {kind: steps[kind]["tp2"] for kind in steps}
     emit(
         "tp2_allreduce_share",
-        tp2[main_kind]["all_reduce_share"],
+        tp2[recompute]["all_reduce_share"],
         "fraction",
         baseline="tp2_step_time",
-        kind=main_kind,
-        cache_step=round(tp2["cache"]["all_reduce_share"], 4),
-        all_reduces_per_step=tp2[main_kind]["all_reduce_calls"],
+        kind=recompute,
+        cache_step=round(tp2[cache]["all_reduce_share"], 4),
+        all_reduces_per_step=tp2[recompute]["all_reduce_calls"],
     )
     by_vocab = {
-        WIDE["vocab_size"]: tp2["cache"]["commit_bytes_per_position"],
+        WIDE["vocab_size"]: tp2[cache]["commit_bytes_per_position"],
         LARGE_VOCAB["vocab_size"]: vocab_tp2["commit_bytes_per_position"],
     }
     worst = max(by_vocab.values())
