@@ -48,7 +48,9 @@ from dilaserve.predictor.evaluate import (  # noqa: E402
     REFRESH_INTERVALS,
     best_interval,
     refresh_errors,
+    row_predictor,
     sorted_by_run,
+    table_states,
 )
 from dilaserve.predictor.features import (  # noqa: E402
     ONE_SHOT_FEATURES,
@@ -77,43 +79,6 @@ THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 def emit(name: str, value: float, unit: str, **extra: object) -> None:
     print(json.dumps({"name": name, "value": round(value, 4), "unit": unit, **extra}), flush=True)
-
-
-def states(table, rows: np.ndarray) -> dict[str, np.ndarray]:
-    """Request-state columns of the given rows, as the Rust predictors take them."""
-    cols = {
-        c: table.column(c).to_numpy()[rows]
-        for c in (
-            "prompt_length",
-            "output_length",
-            "block_length",
-            "steps_done",
-            "block_steps",
-            "unmasked",
-            "unmasked_in_block",
-            "confidence_min",
-            "confidence_q25",
-            "confidence_median",
-            "confidence_mean",
-            "confidence_q75",
-        )
-    }
-    cols["needs_recompute"] = table.column("next_full").to_numpy(zero_copy_only=False)[rows]
-    return cols
-
-
-def row_predictor(table, predictor):
-    """`(cache, recompute)` of rows at their own run's τ, through a Rust predictor."""
-    tau = table.column("tau").to_numpy()
-    column = {t: k for k, t in enumerate(THRESHOLDS)}
-
-    def predict(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        out = predictor.predict(states(table, rows), THRESHOLDS)
-        k = np.array([column[t] for t in tau[rows]])
-        pick = np.arange(len(rows))
-        return out.cache[pick, k], out.recompute[pick, k]
-
-    return predict
 
 
 def native(booster: lgb.Booster) -> Forest:
@@ -186,7 +151,7 @@ def errors_block(table, heldout_table) -> None:
 def timing_block(table) -> None:
     rng = np.random.default_rng(0)
     rows = rng.integers(0, table.num_rows, 10_000)
-    st = states(table, rows)
+    st = table_states(table, rows)
     model_dir = default_model_dir()
     shipped = GbmPredictor.load(model_dir / TOTAL_MODEL)
     views = views_from_states(st)

@@ -121,6 +121,7 @@ def test_cli_train_and_calibrate(capsys, tmp_path):
     assert cli([*args, "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["heldout"]["total"]["mae"] > 0
+    assert summary["predict_every"] >= 1 and set(summary["refresh"]) == {"1", "2", "4", "8", "16"}
     assert (tmp_path / "predictor.txt").is_file()
     out = tmp_path / "rates.json"
     assert cli(["predictor", "calibrate", "--data", data, "--out", str(out)]) == 0

@@ -122,6 +122,13 @@ def run_collect(args: argparse.Namespace) -> int:
 
 def run_train(args: argparse.Namespace) -> int:
     from dilaserve.predictor.collect import load
+    from dilaserve.predictor.evaluate import (
+        best_interval,
+        refresh_errors,
+        row_predictor,
+        sorted_by_run,
+    )
+    from dilaserve.predictor.native import GbmPredictor
     from dilaserve.predictor.train import TrainConfig, train
 
     config = TrainConfig(
@@ -132,15 +139,22 @@ def run_train(args: argparse.Namespace) -> int:
         heldout=args.heldout,
         seed=args.seed,
     )
-    result = train(load(args.data), config)
+    table = load(args.data)
+    result = train(table, config)
     out = Path(args.out or model_dir(args))
     total, recompute = result.save(out)
+    by_interval = refresh_errors(
+        sorted_by_run(table.filter(result.split.heldout)),
+        row_predictor(table.filter(result.split.heldout), GbmPredictor.load(total)),
+    )
     trees = {"total": result.total.best_iteration or result.total.num_trees()}
     if result.recompute is not None:
         trees["recompute"] = result.recompute.best_iteration or result.recompute.num_trees()
     saved = [str(p) for p in (total, recompute) if p is not None]
     summary = {
         "heldout": {k: e.to_dict() for k, e in result.heldout.items()},
+        "refresh": {str(k): e.to_dict() for k, e in by_interval.items()},
+        "predict_every": best_interval(by_interval),
         "trees": trees,
         "saved": saved,
     }
@@ -159,6 +173,12 @@ def run_train(args: argparse.Namespace) -> int:
         )
     if result.recompute is None:
         print("recompute booster not kept: counting blocks is at least as accurate")
+    steps = ", ".join(f"every {k}: {e.mae:.3f}" for k, e in by_interval.items())
+    print(f"held-out MAE as the scheduler sees it, by refresh interval: {steps}")
+    print(
+        f"Policy.predict_every for this model: {summary['predict_every']} (the largest "
+        "interval within 5 % of refreshing every step)"
+    )
     print(f"saved {', '.join(saved)} ({trees['total']} trees)")
     return 0
 

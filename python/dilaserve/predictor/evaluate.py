@@ -106,3 +106,44 @@ def best_interval(
     base = by_interval[1].mae
     ok = [k for k, e in by_interval.items() if k is not None and e.mae <= base * (1 + tolerance)]
     return max(ok)
+
+
+#: Columns of a request state as the Rust predictors take them (`native.VIEW_COLUMNS`).
+_STATE = (
+    "prompt_length",
+    "output_length",
+    "block_length",
+    "steps_done",
+    "block_steps",
+    "unmasked",
+    "unmasked_in_block",
+    "confidence_min",
+    "confidence_q25",
+    "confidence_median",
+    "confidence_mean",
+    "confidence_q75",
+)
+
+
+def table_states(table: pa.Table, rows: np.ndarray) -> dict[str, np.ndarray]:
+    """Request states of the given rows of a collected table, as the Rust predictors
+    take them (`needs_recompute`: the next step runs over the full sequence)."""
+    cols = {c: table.column(c).to_numpy()[rows] for c in _STATE}
+    cols["needs_recompute"] = table.column("next_full").to_numpy(zero_copy_only=False)[rows]
+    return cols
+
+
+def row_predictor(table: pa.Table, predictor) -> PredictRows:
+    """`PredictRows` through a Rust predictor (`native.GbmPredictor`, `MeanRatePredictor`):
+    each row at its own run's `tau`."""
+    tau = table.column("tau").to_numpy()
+    thresholds = sorted(set(tau.tolist()))
+    column = {t: k for k, t in enumerate(thresholds)}
+
+    def predict(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        out = predictor.predict(table_states(table, rows), thresholds)
+        k = np.array([column[t] for t in tau[rows]], dtype=np.int64)
+        pick = np.arange(len(rows))
+        return out.cache[pick, k], out.recompute[pick, k]
+
+    return predict
