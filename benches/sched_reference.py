@@ -110,9 +110,9 @@ class MeanRatePredictor:
         return rates[lo] + w * (rates[hi] - rates[lo])
 
     def predict(self, r: Request, thresholds: list[float]) -> list[list[float]]:
-        masked = float(r.block_size - r.in_block)
-        block = float(r.block_size)
-        future = float(max(r.output_len // r.block_size - (r.current_block + 1), 0))
+        masked = float(r.block_length - r.in_block)
+        block = float(r.block_length)
+        future = float(max(r.output_len // r.block_length - (r.current_block + 1), 0))
         lost = 1.0 if r.needs_recompute() else 0.0
         out = []
         for tau in thresholds:
@@ -132,7 +132,7 @@ class Request:
     priority: int
     prompt_len: int
     output_len: int
-    block_size: int
+    block_length: int
     allowed: int
     next_kind: str
     steps_done: int = 0
@@ -155,10 +155,10 @@ class Request:
         return self.prompt_len + self.output_len
 
     def step_tokens(self) -> int:
-        return self.block_size if self.next_kind == "cache" else self.seq_tokens()
+        return self.block_length if self.next_kind == "cache" else self.seq_tokens()
 
     def next_estimate(self, caching: bool) -> int:
-        return self.block_size if caching else self.seq_tokens()
+        return self.block_length if caching else self.seq_tokens()
 
     def needs_recompute(self) -> bool:
         if self.next_kind == "recompute":
@@ -442,7 +442,7 @@ class ReferenceScheduler:
         p = config.policy
         self.profile = profile
         self.taus = sorted(config.thresholds)
-        self.block_size = config.block_size
+        self.block_length = config.block_length
         self.caching = config.caching
         self.max_batch = config.max_batch_tokens
         self.slo_window = config.slo_window_s
@@ -466,17 +466,17 @@ class ReferenceScheduler:
 
     # ---- events -----------------------------------------------------------------------
     def arrive(self, request_id, *, arrival, deadline, prompt_len, output_len, priority=0,
-               block_size=None, thresholds=None) -> None:  # fmt: skip
+               block_length=None, thresholds=None) -> None:  # fmt: skip
         if self.overloaded and self.max_queued is not None and self.queued >= self.max_queued:
             raise RuntimeError(f"request {request_id} rejected: overloaded")
-        b = block_size or self.block_size
+        b = block_length or self.block_length
         allowed = (1 << len(self.taus)) - 1
         if thresholds is not None:
             allowed = sum(1 << self.taus.index(t) for t in set(thresholds))
         r = Request(
             id=request_id, seq=self.next_seq, arrival=arrival, deadline=deadline,
             priority=priority, prompt_len=prompt_len, output_len=-(-output_len // b) * b,
-            block_size=b, allowed=allowed,
+            block_length=b, allowed=allowed,
             next_kind="recompute" if self.caching else "no_cache",
         )  # fmt: skip
         self.next_seq += 1
@@ -599,7 +599,7 @@ class ReferenceScheduler:
         r.steps_done += 1
         r.unmasked += committed
         r.in_block += committed
-        if r.in_block == r.block_size:
+        if r.in_block == r.block_length:
             r.current_block += 1
             r.in_block = 0
             if self.caching:
@@ -639,7 +639,7 @@ class ReferenceScheduler:
         cache, recompute = r.steps[k]
         seq = float(r.seq_tokens())
         if self.caching:
-            return cache * float(r.block_size) + recompute * seq
+            return cache * float(r.block_length) + recompute * seq
         return (cache + recompute) * seq
 
     def _control_load(self, ordered: list[Request]) -> bool:
@@ -650,7 +650,7 @@ class ReferenceScheduler:
             slo_sum += r.deadline - r.arrival
         window = self.slo_window if self.slo_window is not None else slo_sum / n
         mean_seq = seq_sum / n
-        thr = [g.throughput(mean_seq, self.block_size, self.max_batch) for g in self.groups]
+        thr = [g.throughput(mean_seq, self.block_length, self.max_batch) for g in self.groups]
         capacity = 0.0
         for inst in self.instances:
             if inst.alive and not inst.draining:
@@ -658,7 +658,7 @@ class ReferenceScheduler:
                     rate = thr[inst.group]
                 else:
                     rate = self.groups[inst.group].throughput(
-                        mean_seq, self.block_size, inst.budget, inst.kv, inst.max_req
+                        mean_seq, self.block_length, inst.budget, inst.kv, inst.max_req
                     )
                 capacity += rate * window
         suffix = [0.0] * (n + 1)
@@ -791,7 +791,7 @@ class ReferenceScheduler:
         costs = self.groups[inst.group]
         price_full = costs.full(float(inst.resident_tokens)) * inst.factor
         if self.caching:
-            price_cache = costs.cache(float(self.block_size) * float(inst.residents)) * inst.factor
+            price_cache = costs.cache(float(self.block_length) * float(inst.residents)) * inst.factor
         else:
             price_cache = price_full
         return price_cache, price_full

@@ -222,7 +222,7 @@ def test_unknown_ids(profile: LatencyProfile) -> None:
         ({"prompt_len": -5}, "prompt_len must be an integer in \\[0, 2\\^32\\), got -5"),
         ({"output_len": -1}, "output_len must be an integer"),
         ({"output_len": 0}, "output length must be at least 1"),
-        ({"block_size": -32}, "block_size must be an integer"),
+        ({"block_length": -32}, "block_length must be an integer"),
         ({"deadline": -1.0}, "deadline -1 is before arrival 0"),
         ({"arrival": math.nan}, "must be finite"),
         ({"thresholds": []}, "allowed threshold set is empty"),
@@ -299,7 +299,7 @@ def test_bad_instances(profile: LatencyProfile) -> None:
     [
         (SchedulerConfig(thresholds=()), "candidate threshold set is empty"),
         (SchedulerConfig(thresholds=(0.5, 1.5)), "must be in \\(0, 1\\]"),
-        (SchedulerConfig(block_size=0), "block size must be at least 1"),
+        (SchedulerConfig(block_length=0), "block size must be at least 1"),
         (SchedulerConfig(max_batch_tokens=-1), "max_batch_tokens must be non-negative"),
         (SchedulerConfig(slo_window_s=0.0), "SLO window must be positive"),
         (SchedulerConfig(policy=Policy.infaas_like(0.0)), "fixed threshold must be in"),

@@ -71,7 +71,7 @@ class Scheduler:
         profile: LatencyProfile,
         *,
         thresholds: list[float],
-        block_size: int,
+        block_length: int,
         caching: bool,
         max_batch_tokens: int,
         slo_window_s: float | None,
@@ -105,7 +105,7 @@ class Scheduler:
         prompt_len: int,
         output_len: int,
         priority: int = 0,
-        block_size: int | None = None,
+        block_length: int | None = None,
         thresholds: list[float] | None = None,
     ) -> None: ...
     def step_done(

@@ -141,7 +141,7 @@ class SchedulerConfig:
     #: Candidate thresholds.
     thresholds: tuple[float, ...] = (0.5, 0.6, 0.7, 0.8, 0.9)
     #: Default block size of requests that do not name one.
-    block_size: int = 32
+    block_length: int = 32
     #: Approximate KV cache on (recompute / cache steps) or off (no-cache steps).
     caching: bool = True
     #: Most tokens one instance step may process.
@@ -250,7 +250,7 @@ class RequestInfo:
     prompt_len: int
     #: Output positions padded to whole blocks.
     output_len: int
-    block_size: int
+    block_length: int
     steps_done: int
     unmasked: int
     unmasked_in_block: int
@@ -408,7 +408,7 @@ class Scheduler:
         self._core = _core.Scheduler(
             profile,
             thresholds=list(c.thresholds),
-            block_size=c.block_size,
+            block_length=c.block_length,
             caching=c.caching,
             max_batch_tokens=c.max_batch_tokens,
             slo_window_s=c.slo_window_s,
@@ -456,7 +456,7 @@ class Scheduler:
         prompt_len: int,
         output_len: int,
         priority: int = 0,
-        block_size: int | None = None,
+        block_length: int | None = None,
         thresholds: Sequence[float] | None = None,
     ) -> None:
         """Admits a request; `deadline` is absolute, on the clock of `schedule(now)`.
@@ -472,7 +472,7 @@ class Scheduler:
             prompt_len=prompt_len,
             output_len=output_len,
             priority=priority,
-            block_size=block_size,
+            block_length=block_length,
             thresholds=None if thresholds is None else list(thresholds),
         )
 

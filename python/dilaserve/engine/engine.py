@@ -120,7 +120,7 @@ class Engine:
             self.profile,
             SchedulerConfig(
                 thresholds=c.thresholds,
-                block_size=c.block_length,
+                block_length=c.block_length,
                 caching=c.cache is not CacheMode.NONE,
                 max_batch_tokens=c.max_batch_tokens,
                 policy=c.policy,
@@ -193,7 +193,7 @@ class Engine:
                 prompt_len=state.prompt_length,
                 output_len=state.output_length,
                 priority=params.priority,
-                block_size=state.block_length,
+                block_length=state.block_length,
                 thresholds=None if pinned is None else [self._nearest_candidate(pinned)],
             )
         except AdmissionError as exc:

@@ -94,17 +94,17 @@ fn count(column: &str, row: usize, x: f64) -> PyResult<u32> {
 
 fn view_of(row: usize, v: &[f64]) -> PyResult<RequestView> {
     let c = |i: usize| count(VIEW_COLUMNS[i], row, v[i]);
-    let (output_len, block_size) = (c(1)?, c(2)?);
+    let (output_len, block_length) = (c(1)?, c(2)?);
     let (unmasked, unmasked_in_block) = (c(5)?, c(6)?);
     if output_len == 0
-        || block_size == 0
-        || output_len % block_size != 0
+        || block_length == 0
+        || output_len % block_length != 0
         || unmasked > output_len
-        || unmasked_in_block >= block_size
+        || unmasked_in_block >= block_length
         || unmasked < unmasked_in_block
     {
         return Err(PyValueError::new_err(format!(
-            "request state {row} is inconsistent: output {output_len}, block {block_size}, \
+            "request state {row} is inconsistent: output {output_len}, block {block_length}, \
              unmasked {unmasked} ({unmasked_in_block} in the current block)"
         )));
     }
@@ -113,12 +113,12 @@ fn view_of(row: usize, v: &[f64]) -> PyResult<RequestView> {
         id: row as u64,
         prompt_len: c(0)?,
         output_len,
-        block_size,
+        block_length,
         steps_done: c(3)?,
         block_steps: c(4)?,
         unmasked,
         unmasked_in_block,
-        current_block: (unmasked - unmasked_in_block) / block_size,
+        current_block: (unmasked - unmasked_in_block) / block_length,
         needs_recompute: v[7] != 0.0,
         confidence: conf.iter().all(|x| x.is_finite()).then_some(conf),
     })
@@ -129,7 +129,7 @@ fn unpack_view(v: &RequestView) -> [f64; 13] {
     [
         f64::from(v.prompt_len),
         f64::from(v.output_len),
-        f64::from(v.block_size),
+        f64::from(v.block_length),
         f64::from(v.steps_done),
         f64::from(v.block_steps),
         f64::from(v.unmasked),

@@ -187,7 +187,7 @@ pub struct PyScheduler {
 impl PyScheduler {
     #[new]
     #[pyo3(signature = (
-        profile, *, thresholds, block_size, caching, max_batch_tokens, slo_window_s,
+        profile, *, thresholds, block_length, caching, max_batch_tokens, slo_window_s,
         threshold_policy, fixed_tau, load_control, load_order, instance_choice, migration,
         prediction, predict_every, predictor_rates, max_queued=None, predictor=None,
         predictor_model=None,
@@ -196,7 +196,7 @@ impl PyScheduler {
     fn new(
         profile: &PyLatencyProfile,
         thresholds: Vec<f64>,
-        block_size: i64,
+        block_length: i64,
         caching: bool,
         max_batch_tokens: i64,
         slo_window_s: Option<f64>,
@@ -223,7 +223,7 @@ impl PyScheduler {
         };
         let config = SchedulerConfig {
             thresholds,
-            block_size: count("block_size", block_size, SchedError::Config)?,
+            block_length: count("block_length", block_length, SchedError::Config)?,
             caching,
             max_batch_tokens: u64::try_from(max_batch_tokens).map_err(|_| {
                 SchedError::Config(format!(
@@ -278,7 +278,7 @@ impl PyScheduler {
     }
 
     #[pyo3(signature = (
-        id, *, arrival, deadline, prompt_len, output_len, priority=0, block_size=None,
+        id, *, arrival, deadline, prompt_len, output_len, priority=0, block_length=None,
         thresholds=None,
     ))]
     #[allow(clippy::too_many_arguments)]
@@ -290,7 +290,7 @@ impl PyScheduler {
         prompt_len: i64,
         output_len: i64,
         priority: i32,
-        block_size: Option<i64>,
+        block_length: Option<i64>,
         thresholds: Option<Vec<f64>>,
     ) -> PyResult<()> {
         let id = id.0;
@@ -302,8 +302,8 @@ impl PyScheduler {
             priority,
             prompt_len: count("prompt_len", prompt_len, invalid)?,
             output_len: count("output_len", output_len, invalid)?,
-            block_size: block_size
-                .map(|b| count("block_size", b, invalid))
+            block_length: block_length
+                .map(|b| count("block_length", b, invalid))
                 .transpose()?,
             thresholds,
         };
@@ -415,7 +415,7 @@ impl PyScheduler {
         d.set_item("priority", r.priority)?;
         d.set_item("prompt_len", r.prompt_len)?;
         d.set_item("output_len", r.output_len)?;
-        d.set_item("block_size", r.block_size)?;
+        d.set_item("block_length", r.block_length)?;
         d.set_item("steps_done", r.steps_done)?;
         d.set_item("unmasked", r.unmasked)?;
         d.set_item("unmasked_in_block", r.unmasked_in_block)?;

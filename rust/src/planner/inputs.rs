@@ -293,7 +293,10 @@ fn validate_thresholds(
     Ok(sorted)
 }
 
-pub(crate) fn validate_degrees(degrees: &[u32], node_gpus: &[u32]) -> Result<Vec<u32>, PlannerError> {
+pub(crate) fn validate_degrees(
+    degrees: &[u32],
+    node_gpus: &[u32],
+) -> Result<Vec<u32>, PlannerError> {
     if degrees.is_empty() {
         return Err(PlannerError::NoDegrees);
     }
@@ -419,7 +422,11 @@ fn validate_deployment(
     batches: &[u64],
 ) -> Result<(), PlannerError> {
     validate_placement(current, node_gpus)?;
-    for inst in current.instances.iter().filter(|i| degrees.contains(&i.degree)) {
+    for inst in current
+        .instances
+        .iter()
+        .filter(|i| degrees.contains(&i.degree))
+    {
         match current.batch_tokens.get(&inst.degree) {
             None => {
                 return Err(PlannerError::BadDeployment(format!(

@@ -103,8 +103,8 @@ mod tests {
 
     #[test]
     fn scaling_up_keeps_every_running_instance() {
-        let plan = plan_transition_to(&inputs(&[(1, 3)], vec![inst(0, &[0]), inst(0, &[1])]))
-            .unwrap();
+        let plan =
+            plan_transition_to(&inputs(&[(1, 3)], vec![inst(0, &[0]), inst(0, &[1])])).unwrap();
         assert_eq!(plan.kept, vec![0, 1]);
         assert_eq!(plan.launched.len(), 1);
         assert!(matches!(plan.actions[..], [Action::Launch { .. }]));

@@ -47,7 +47,7 @@ pub const THRESHOLD: usize = 0;
 /// All known features of a request, the threshold slot left at 0.
 pub fn known_features(view: &RequestView) -> [f64; KNOWN_FEATURES.len()] {
     let output = f64::from(view.output_len);
-    let block = f64::from(view.block_size);
+    let block = f64::from(view.block_length);
     let conf = view.confidence.unwrap_or([f64::NAN; 5]);
     [
         0.0,

@@ -32,7 +32,7 @@ fn view(steps_done: u32, block_steps: u32, unmasked_in_block: u32, block: u32) -
         id: 3,
         prompt_len: 20,
         output_len: 128,
-        block_size: 32,
+        block_length: 32,
         steps_done,
         block_steps,
         unmasked: block * 32 + unmasked_in_block,

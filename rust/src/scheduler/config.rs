@@ -137,7 +137,7 @@ pub struct SchedulerConfig {
     /// Candidate thresholds; stored ascending.
     pub thresholds: Vec<f64>,
     /// Default block size `B` of requests that do not name their own.
-    pub block_size: u32,
+    pub block_length: u32,
     /// Approximate KV cache on: steps are recompute or cache steps; off: no-cache steps.
     pub caching: bool,
     /// Most tokens one instance step may process.
@@ -156,7 +156,7 @@ impl Default for SchedulerConfig {
     fn default() -> Self {
         Self {
             thresholds: vec![0.5, 0.6, 0.7, 0.8, 0.9],
-            block_size: 32,
+            block_length: 32,
             caching: true,
             max_batch_tokens: 8192,
             slo_window_s: None,
@@ -192,7 +192,7 @@ impl SchedulerConfig {
                 self.thresholds
             )));
         }
-        if self.block_size == 0 {
+        if self.block_length == 0 {
             return Err(SchedError::Config("block size must be at least 1".into()));
         }
         if self.max_batch_tokens == 0 {
@@ -247,7 +247,7 @@ mod tests {
                 ..Default::default()
             },
             SchedulerConfig {
-                block_size: 0,
+                block_length: 0,
                 ..Default::default()
             },
             SchedulerConfig {

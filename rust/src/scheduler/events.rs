@@ -202,7 +202,7 @@ impl Scheduler {
             if !(r.in_flight && r.home == Some(inst_slot)) {
                 return Err(bad(format!("request {} is not in its batch", res.request)));
             }
-            let masked = r.block_size - r.unmasked_in_block;
+            let masked = r.block_length - r.unmasked_in_block;
             if res.committed == 0 || res.committed > masked {
                 return Err(bad(format!(
                     "request {} committed {} tokens; its block has {} masked (a step commits \
@@ -239,7 +239,7 @@ impl Scheduler {
         r.block_steps += 1;
         r.unmasked += committed;
         r.unmasked_in_block += committed;
-        let block_done = r.unmasked_in_block == r.block_size;
+        let block_done = r.unmasked_in_block == r.block_length;
         if block_done {
             r.current_block += 1;
             r.unmasked_in_block = 0;

@@ -81,7 +81,7 @@ pub struct RequestInfo {
     pub prompt_len: u32,
     /// Output positions, padded to whole blocks.
     pub output_len: u32,
-    pub block_size: u32,
+    pub block_length: u32,
     pub steps_done: u32,
     pub unmasked: u32,
     pub unmasked_in_block: u32,
@@ -223,7 +223,7 @@ impl Scheduler {
             priority: r.priority,
             prompt_len: r.prompt_len,
             output_len: r.output_len,
-            block_size: r.block_size,
+            block_length: r.block_length,
             steps_done: r.steps_done,
             unmasked: r.unmasked,
             unmasked_in_block: r.unmasked_in_block,

@@ -13,7 +13,7 @@ pub struct RequestView {
     pub prompt_len: u32,
     /// Output positions, a whole number of blocks.
     pub output_len: u32,
-    pub block_size: u32,
+    pub block_length: u32,
     pub steps_done: u32,
     /// Steps run in the current block (0: the next step opens it).
     pub block_steps: u32,
@@ -30,7 +30,7 @@ pub struct RequestView {
 impl RequestView {
     /// Blocks after the current one.
     pub fn future_blocks(&self) -> u32 {
-        (self.output_len / self.block_size).saturating_sub(self.current_block + 1)
+        (self.output_len / self.block_length).saturating_sub(self.current_block + 1)
     }
 }
 
@@ -195,8 +195,8 @@ impl StepPredictor for MeanRatePredictor {
         thresholds: &[f64],
         out: &mut [StepsLeft],
     ) -> Result<(), PredictError> {
-        let masked = f64::from(r.block_size - r.unmasked_in_block);
-        let block = f64::from(r.block_size);
+        let masked = f64::from(r.block_length - r.unmasked_in_block);
+        let block = f64::from(r.block_length);
         let future = f64::from(r.future_blocks());
         let lost = if r.needs_recompute { 1.0 } else { 0.0 };
         for (slot, &tau) in out.iter_mut().zip(thresholds) {
@@ -221,7 +221,7 @@ mod tests {
             id: 7,
             prompt_len: 10,
             output_len: 128,
-            block_size: 32,
+            block_length: 32,
             steps_done: 0,
             block_steps: 0,
             unmasked: block * 32 + in_block,

@@ -112,7 +112,7 @@ impl Harness {
             .filter_map(|&id| self.s.request(id).ok())
             .map(|info| {
                 let step_tokens = if info.next_kind == StepKind::Cache {
-                    u64::from(info.block_size)
+                    u64::from(info.block_length)
                 } else {
                     u64::from(info.prompt_len) + u64::from(info.output_len)
                 };
@@ -150,7 +150,7 @@ impl Harness {
                     .filter_map(|&id| self.s.request(id).ok())
                     .map(|info| StepResult {
                         request: info.id,
-                        committed: commit.min(info.block_size - info.unmasked_in_block),
+                        committed: commit.min(info.block_length - info.unmasked_in_block),
                         confidence: Some([0.1, 0.2, 0.4, 0.5, 0.7]),
                         finished: eos,
                     })

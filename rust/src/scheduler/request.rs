@@ -22,7 +22,7 @@ pub struct RequestSpec {
     /// Requested output positions; rounded up to whole blocks.
     pub output_len: u32,
     /// Block size `B`; `None` uses the scheduler's.
-    pub block_size: Option<u32>,
+    pub block_length: Option<u32>,
     /// Thresholds this request accepts (a subset of the candidates); `None` allows all.
     pub thresholds: Option<Vec<f64>>,
 }
@@ -37,7 +37,7 @@ impl RequestSpec {
             priority: 0,
             prompt_len,
             output_len,
-            block_size: None,
+            block_length: None,
             thresholds: None,
         }
     }
@@ -55,7 +55,7 @@ pub(crate) struct Request {
     pub priority: i32,
     pub prompt_len: u32,
     pub output_len: u32,
-    pub block_size: u32,
+    pub block_length: u32,
     pub steps_done: u32,
     /// Steps run in the current block (0: the next step opens it).
     pub block_steps: u32,
@@ -84,7 +84,7 @@ impl Request {
     /// Tokens the next step of this request adds to a batch.
     pub fn step_tokens(&self) -> u64 {
         match self.next_kind {
-            StepKind::Cache => u64::from(self.block_size),
+            StepKind::Cache => u64::from(self.block_length),
             StepKind::Recompute | StepKind::NoCache => self.seq_tokens(),
         }
     }
@@ -93,7 +93,7 @@ impl Request {
     /// with caching most steps are cache steps over the block.
     pub fn next_step_estimate(&self, caching: bool) -> u64 {
         if caching {
-            u64::from(self.block_size)
+            u64::from(self.block_length)
         } else {
             self.seq_tokens()
         }
@@ -113,7 +113,7 @@ impl Request {
             id: self.id,
             prompt_len: self.prompt_len,
             output_len: self.output_len,
-            block_size: self.block_size,
+            block_length: self.block_length,
             steps_done: self.steps_done,
             block_steps: self.block_steps,
             unmasked: self.unmasked,
@@ -148,13 +148,13 @@ impl Request {
         if spec.output_len == 0 {
             return Err(invalid("output length must be at least 1".into()));
         }
-        let block_size = spec.block_size.unwrap_or(config.block_size);
-        if block_size == 0 {
+        let block_length = spec.block_length.unwrap_or(config.block_length);
+        if block_length == 0 {
             return Err(invalid("block size must be at least 1".into()));
         }
-        let blocks = spec.output_len.div_ceil(block_size);
+        let blocks = spec.output_len.div_ceil(block_length);
         let output_len = blocks
-            .checked_mul(block_size)
+            .checked_mul(block_length)
             .ok_or_else(|| invalid(format!("output length {} overflows", spec.output_len)))?;
         let allowed = match &spec.thresholds {
             None => u32::MAX >> (32 - config.thresholds.len()),
@@ -174,7 +174,7 @@ impl Request {
             priority: spec.priority,
             prompt_len: spec.prompt_len,
             output_len,
-            block_size,
+            block_length,
             steps_done: 0,
             block_steps: 0,
             unmasked: 0,
@@ -265,7 +265,7 @@ mod tests {
                 ..base.clone()
             },
             RequestSpec {
-                block_size: Some(0),
+                block_length: Some(0),
                 ..base.clone()
             },
             RequestSpec {

@@ -175,7 +175,7 @@ impl RequestTable {
 
     fn refresh_loads(&mut self, pos: u32, range: std::ops::Range<usize>) {
         let r = &self.cols.reqs[pos as usize];
-        let (seq, block) = (r.seq_tokens() as f64, f64::from(r.block_size));
+        let (seq, block) = (r.seq_tokens() as f64, f64::from(r.block_length));
         for (load, s) in self.cols.loads[range.clone()]
             .iter_mut()
             .zip(&self.cols.steps[range])

@@ -76,7 +76,12 @@ pub(crate) fn soonest(
         });
         shedding |= need.is_some_and(|(t, q)| t > 0 || q > 0);
         scratch.need.push(need);
-        let p = step_prices(&groups[inst.group], inst, config.caching, config.block_size);
+        let p = step_prices(
+            &groups[inst.group],
+            inst,
+            config.caching,
+            config.block_length,
+        );
         scratch.prices.push((p.cache, p.full));
     }
     scratch.leavers.clear();

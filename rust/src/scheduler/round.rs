@@ -128,7 +128,7 @@ impl Scheduler {
         }
         let window = self.config.slo_window_s.unwrap_or(slo_sum / live as f64);
         let mean_seq = seq_sum / live as f64;
-        let (block, max_tokens) = (self.config.block_size, self.config.max_batch_tokens);
+        let (block, max_tokens) = (self.config.block_length, self.config.max_batch_tokens);
         let throughput = &mut self.scratch.throughput;
         throughput.clear();
         throughput.extend(
@@ -386,7 +386,7 @@ impl Scheduler {
             inst.next_tokens = 0;
             inst.started_at = now;
             inst.predicted_s = costs.batch(full, tokens - full);
-            scratch.prices[slot] = step_prices(costs, inst, config.caching, config.block_size);
+            scratch.prices[slot] = step_prices(costs, inst, config.caching, config.block_length);
             decisions.batches.push(Batch {
                 instance: inst.id,
                 start,

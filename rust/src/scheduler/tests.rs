@@ -376,7 +376,7 @@ fn script(policy: Policy) -> Vec<Decisions> {
                 .iter()
                 .map(|e| {
                     let info = s.request(e.request).unwrap();
-                    let masked = info.block_size - info.unmasked_in_block;
+                    let masked = info.block_length - info.unmasked_in_block;
                     StepResult::new(e.request, (1 + (e.request % 7) as u32).min(masked))
                 })
                 .collect();

@@ -185,7 +185,7 @@ fn rounds_until_large_runs(spec: InstanceSpec, max_batch_tokens: u64) -> Option<
                 .iter()
                 .map(|e| {
                     let info = s.request(e.request).unwrap();
-                    StepResult::new(e.request, 4.min(info.block_size - info.unmasked_in_block))
+                    StepResult::new(e.request, 4.min(info.block_length - info.unmasked_in_block))
                 })
                 .collect();
             s.step_done(b.instance, 0.05, &res).unwrap();
