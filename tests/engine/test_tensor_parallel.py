@@ -47,7 +47,7 @@ def test_mixed_degree_cluster_answers_like_decoding_alone(make_engine, tp_profil
     engine = h.engine
     assert [engine.instances[i].tp for i in (0, 1)] == [2, 1]
     assert engine.instances[0].ready.tp == 2
-    problems = make_problems(40, SEED)
+    problems = make_problems(24, SEED)
 
     async def complete_all():
         return await asyncio.gather(*(engine.complete(p.prompt, params(p)) for p in problems))
@@ -65,7 +65,7 @@ def test_mixed_degree_cluster_answers_like_decoding_alone(make_engine, tp_profil
 
 def test_a_killed_rank_brings_its_instance_down_and_its_requests_resume(make_engine, tp_profile):
     h = make_engine(instances=(2, 1), profile=tp_profile)
-    problems = solvable(24, SEED + 1)
+    problems = solvable(16, SEED + 1)
 
     async def scenario():
         engine = h.engine

@@ -24,7 +24,7 @@ def test_serve_a_mixed_degree_cluster(start_server, tmp_path):
     config = engine_config(settings_from(build_parser().parse_args(argv)))
     assert config.instances == (2, 1, 1) and config.slots == 4
     live = start_server(instances=config.instances, profile=config.profile)
-    problems = solvable(12, 77)
+    problems = solvable(8, 77)
     client = live.client()
 
     def ask(problem):
