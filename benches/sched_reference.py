@@ -791,7 +791,8 @@ class ReferenceScheduler:
         costs = self.groups[inst.group]
         price_full = costs.full(float(inst.resident_tokens)) * inst.factor
         if self.caching:
-            price_cache = costs.cache(float(self.block_length) * float(inst.residents)) * inst.factor
+            block_tokens = float(self.block_length) * float(inst.residents)
+            price_cache = costs.cache(block_tokens) * inst.factor
         else:
             price_cache = price_full
         return price_cache, price_full
