@@ -28,3 +28,21 @@ def tiny_llada_dir(tmp_path_factory):
 def tiny_dream_dir(tmp_path_factory):
     """A random Dream-format checkpoint directory (config, safetensors, tokenizer)."""
     return _tiny_checkpoint(tmp_path_factory, "dream")
+
+
+@pytest.fixture(scope="session")
+def tiny_profile(tmp_path_factory) -> str:
+    """A latency profile shaped like dilaserve-tiny's on a CPU, so serving tests measure
+    nothing at start-up."""
+    from dilaserve.scheduler import LatencyProfile
+
+    profile = LatencyProfile.from_tables(
+        [
+            (1, "no_cache", [(32, 0.004), (512, 0.012), (8192, 0.15)]),
+            (1, "recompute", [(32, 0.004), (512, 0.012), (8192, 0.15)]),
+            (1, "cache", [(32, 0.003), (512, 0.008), (8192, 0.1)]),
+        ]
+    )
+    path = tmp_path_factory.mktemp("profile") / "tiny.json"
+    path.write_text(profile.to_json())
+    return str(path)

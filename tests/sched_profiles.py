@@ -1,8 +1,8 @@
-"""Latency profiles shared by the scheduler tests."""
+"""Latency profiles and step reports shared by the scheduler tests."""
 
 from __future__ import annotations
 
-from dilaserve.scheduler import LatencyProfile
+from dilaserve.scheduler import Batch, LatencyProfile, StepResult
 
 TP_SPEED = {1: 1.0, 2: 0.75, 4: 0.45}
 
@@ -17,3 +17,8 @@ def make_profile(degrees: tuple[int, ...] = (1, 2, 4)) -> LatencyProfile:
         cache = [(n, (0.005 + 1e-5 * n) * speed) for n in (32, 256, 2048, 16384)]
         tables += [(tp, "recompute", full), (tp, "no_cache", full), (tp, "cache", cache)]
     return LatencyProfile.from_tables(tables)
+
+
+def report(batch: Batch, committed: int = 1) -> list[StepResult]:
+    """A worker's report committing `committed` tokens for every request of `batch`."""
+    return [StepResult(e.request, committed) for e in batch.entries]

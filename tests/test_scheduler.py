@@ -8,12 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from sched_profiles import make_profile
+from sched_profiles import make_profile, report
 
 from dilaserve import _core
 from dilaserve.scheduler import (
     AdmissionError,
-    Batch,
     InvalidInstanceError,
     InvalidRequestError,
     LatencyProfile,
@@ -35,10 +34,6 @@ from dilaserve.scheduler import (
 @pytest.fixture
 def profile() -> LatencyProfile:
     return make_profile()
-
-
-def report(batch: Batch, committed: int = 1) -> list[StepResult]:
-    return [StepResult(e.request, committed) for e in batch.entries]
 
 
 def test_arrival_to_finish(profile: LatencyProfile) -> None:

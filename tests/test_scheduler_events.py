@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from sched_profiles import make_profile
+from sched_profiles import make_profile, report
 
 from dilaserve import _core, scheduler
 from dilaserve.scheduler import (
@@ -30,10 +30,6 @@ from dilaserve.scheduler import (
 @pytest.fixture
 def profile() -> LatencyProfile:
     return make_profile()
-
-
-def report(batch: Batch, committed: int = 1) -> list[StepResult]:
-    return [StepResult(e.request, committed) for e in batch.entries]
 
 
 def ids(batch: Batch | None) -> list[int]:

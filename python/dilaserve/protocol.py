@@ -182,16 +182,19 @@ class RequestState:
         eos = self.eos_position
         return self.output_ids[:eos] if eos is not None else list(self.output_ids)
 
-    def apply(self, output: StepOutput) -> None:
-        """Advances this copy of the state by a step's report (the engine's bookkeeping)."""
-        for position, token in zip(
-            output.committed_positions, output.committed_tokens, strict=True
-        ):
+    def commit(self, block: int, positions: list[int], tokens: list[int]) -> None:
+        """Advances the state by one step that unmasked `positions` of output block
+        `block`: the one bookkeeping of the worker's copy and the engine's."""
+        for position, token in zip(positions, tokens, strict=True):
             self.output_ids[position] = token
         self.steps_done += 1
-        start = output.block * self.block_length
+        start = block * self.block_length
         block_open = self.mask_token_id in self.output_ids[start : start + self.block_length]
         self.block_steps = self.block_steps + 1 if block_open else 0
+
+    def apply(self, output: StepOutput) -> None:
+        """Advances this copy of the state by a step's report (the engine's bookkeeping)."""
+        self.commit(output.block, output.committed_positions, output.committed_tokens)
 
 
 @dataclass(frozen=True)

@@ -3,31 +3,27 @@ through an event loop on a background thread."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
 import pytest
 
 from dilaserve.engine import Engine, EngineConfig
-from dilaserve.scheduler import LatencyProfile
+from dilaserve.engine.offline import LoopThread
 
 T = TypeVar("T")
 
 
-class EngineHarness:
+class EngineHarness(LoopThread):
     """An engine whose coroutines the test runs with `run`."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
+        super().__init__()
         self.engine = Engine(config)
         self.run(self.engine.start(), timeout=300)
 
-    def run(self, coroutine: Coroutine[Any, Any, T], timeout: float = 300) -> T:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+    def run(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = 300) -> T:
+        return super().run(coroutine, timeout)
 
     def call(self, fn, *args):
         """Runs a plain function on the engine's loop (the engine is not thread-safe)."""
@@ -39,24 +35,7 @@ class EngineHarness:
 
     def close(self) -> None:
         self.run(self.engine.shutdown(), timeout=60)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join()
-        self.loop.close()
-
-
-@pytest.fixture(scope="session")
-def tiny_profile(tmp_path_factory) -> str:
-    """A latency profile shaped like the tiny model's on a CPU (no measuring in tests)."""
-    profile = LatencyProfile.from_tables(
-        [
-            (1, "no_cache", [(32, 0.004), (512, 0.012), (8192, 0.15)]),
-            (1, "recompute", [(32, 0.004), (512, 0.012), (8192, 0.15)]),
-            (1, "cache", [(32, 0.003), (512, 0.008), (8192, 0.1)]),
-        ]
-    )
-    path = tmp_path_factory.mktemp("profile") / "tiny.json"
-    path.write_text(profile.to_json())
-    return str(path)
+        self.stop()
 
 
 @pytest.fixture

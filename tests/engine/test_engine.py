@@ -68,18 +68,24 @@ def test_stream_sends_each_block_once_and_never_changes_it(make_engine):
 PINNED = {"threshold": PINNED_TAU}
 
 
+async def start_and_wait_for_progress(engine, problems, instance: int) -> list[asyncio.Future]:
+    """Submits every problem (τ pinned), then returns once a request held by `instance`
+    has run a step: the moment to break that instance mid-request."""
+    tasks = [
+        asyncio.ensure_future(engine.complete(p.prompt, params(p, **PINNED))) for p in problems
+    ]
+    while not any(r.home == instance and r.state.steps_done for r in engine._requests.values()):
+        await asyncio.sleep(0.001)
+    return tasks
+
+
 def test_killed_worker_loses_no_request(make_engine):
     h = make_engine(instances=(1, 1))
     problems = solvable(30, SEED + 1)
 
     async def scenario():
-        tasks = [
-            asyncio.ensure_future(h.engine.complete(p.prompt, params(p, **PINNED)))
-            for p in problems
-        ]
         engine = h.engine
-        while not any(r.home == 0 and r.state.steps_done for r in engine._requests.values()):
-            await asyncio.sleep(0.001)
+        tasks = await start_and_wait_for_progress(engine, problems, 0)
         engine.instances[0].handle.kill()
         return await asyncio.gather(*tasks)
 
@@ -98,13 +104,8 @@ def test_sigterm_drains_the_worker_and_stops_it_cleanly(make_engine):
     problems = solvable(20, SEED + 1)
 
     async def scenario():
-        tasks = [
-            asyncio.ensure_future(h.engine.complete(p.prompt, params(p, **PINNED)))
-            for p in problems
-        ]
         engine = h.engine
-        while not any(r.home == 1 and r.state.steps_done for r in engine._requests.values()):
-            await asyncio.sleep(0.001)
+        tasks = await start_and_wait_for_progress(engine, problems, 1)
         inst = engine.instances[1]
         handle = inst.handle
         handle.terminate()
@@ -220,3 +221,20 @@ def test_offline_llm_answers_in_prompt_order(tiny_profile):
         outputs = llm.generate([p.prompt for p in problems], GenerationParams(max_tokens=32))
     assert [check(p, o.text) for p, o in zip(problems, outputs, strict=True)] == [True] * 8
     assert all(o.stats.slo_s > 0 for o in outputs)
+
+
+def test_replan_from_recent_arrivals_plans_and_applies_the_transition(make_engine):
+    h = make_engine(instances=(1,), device_slots=2)
+    problems = make_problems(6, SEED + 7, tasks=("add",))
+
+    async def scenario():
+        engine = h.engine
+        await asyncio.gather(*(engine.complete(p.prompt, params(p)) for p in problems))
+        result = await engine.reconfigurer.replan(window_s=60.0)
+        return result, sorted(i.tp for i in engine.instances.values())
+
+    result, degrees = h.run(scenario())
+    assert result is not None and h.engine.reconfigurer.runs == 1
+    assert h.engine.reconfigurer.last_plan is result
+    expected = [i.degree for i in result.transition.instances] if result.adopted else [1]
+    assert degrees == sorted(expected)

@@ -4,72 +4,51 @@ event loop; tests talk to it over real HTTP (the official `openai` client, aioht
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Iterator
 
 import openai
 import pytest
 
 from dilaserve.engine import Engine, EngineConfig
-from dilaserve.scheduler import LatencyProfile
+from dilaserve.engine.offline import LoopThread
 from dilaserve.server import ServerSettings, bind, serve
 
 API_KEY = "test-key"  # test_server.py uses the same
 
 
-class LiveServer:
+class LiveServer(LoopThread):
     def __init__(self, config: EngineConfig, settings: ServerSettings) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
+        super().__init__()
         self.engine = Engine(config)
         sock = bind("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         self.settings = settings
         started = asyncio.Event()
-        self.stop = asyncio.Event()
+        self.stopping = asyncio.Event()
         self.task = asyncio.run_coroutine_threadsafe(
-            serve(self.engine, settings, sock, started=started, stop=self.stop), self.loop
+            serve(self.engine, settings, sock, started=started, stop=self.stopping), self.loop
         )
         self.run(asyncio.wait_for(started.wait(), 300))
 
-    def run(self, coroutine, timeout: float = 300):
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+    def run(self, coroutine, timeout: float | None = 300):
+        return super().run(coroutine, timeout)
 
     def client(self, api_key: str | None = None, **kw) -> openai.OpenAI:
         key = api_key if api_key is not None else (self.settings.api_key or "none")
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, **kw)
 
     def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.stop.set)
+        self.loop.call_soon_threadsafe(self.stopping.set)
         self.task.result(120)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join()
-        self.loop.close()
-
-
-@pytest.fixture(scope="session")
-def server_profile(tmp_path_factory) -> str:
-    profile = LatencyProfile.from_tables(
-        [
-            (1, "no_cache", [(32, 0.004), (512, 0.012), (8192, 0.15)]),
-            (1, "recompute", [(32, 0.004), (512, 0.012), (8192, 0.15)]),
-            (1, "cache", [(32, 0.003), (512, 0.008), (8192, 0.1)]),
-        ]
-    )
-    path = tmp_path_factory.mktemp("profile") / "tiny.json"
-    path.write_text(profile.to_json())
-    return str(path)
+        self.stop()
 
 
 @pytest.fixture
-def start_server(server_profile) -> Iterator:
+def start_server(tiny_profile) -> Iterator:
     started: list[LiveServer] = []
 
     def start(settings: ServerSettings | None = None, **config) -> LiveServer:
-        engine_config = EngineConfig(
-            **{"profile": server_profile, "threads_per_worker": 1, **config}
-        )
+        engine_config = EngineConfig(**{"profile": tiny_profile, "threads_per_worker": 1, **config})
         live = LiveServer(engine_config, settings or ServerSettings("dilaserve-tiny"))
         started.append(live)
         return live
@@ -80,9 +59,9 @@ def start_server(server_profile) -> Iterator:
 
 
 @pytest.fixture(scope="module")
-def server(server_profile) -> Iterator[LiveServer]:
+def server(tiny_profile) -> Iterator[LiveServer]:
     """One two-instance server with an API key and a small body limit, shared by a module."""
-    config = EngineConfig(profile=server_profile, threads_per_worker=1, instances=(1, 1))
+    config = EngineConfig(profile=tiny_profile, threads_per_worker=1, instances=(1, 1))
     settings = ServerSettings("dilaserve-tiny", api_key=API_KEY, max_body_bytes=64 * 1024)
     live = LiveServer(config, settings)
     yield live

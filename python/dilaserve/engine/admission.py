@@ -8,7 +8,12 @@ from collections.abc import Sequence
 from dilaserve._core import LatencyProfile
 from dilaserve.models import encode_prompt, load_tokenizer, read_config
 from dilaserve.models.tokenizer import UnrepresentableTextError
-from dilaserve.planner import FAST_DLLM_THRESHOLDS, Arrival, mean_isolated_latency
+from dilaserve.planner import (
+    FAST_DLLM_THRESHOLDS,
+    Arrival,
+    ThresholdOption,
+    mean_isolated_latency,
+)
 from dilaserve.protocol import CacheMode, RequestState
 
 from .config import EngineConfig, GenerationParams
@@ -67,13 +72,25 @@ class RequestBuilder:
     def isolated_latency(self, prompt_len: int, output_len: int) -> float:
         """Estimated seconds of one request alone on a TP-1 instance at the top threshold
         (DESIGN §9's SLO unit)."""
-        rates = self.config.predictor_rates or [
-            (o.threshold, o.tokens_per_step) for o in FAST_DLLM_THRESHOLDS
-        ]
-        return mean_isolated_latency(
-            self.profile,
-            [Arrival(0.0, prompt_len, output_len)],
-            max(rates)[1],
-            self.config.cache is not CacheMode.NONE,
-            self.config.block_length,
-        )
+        return isolated_latency(self.config, self.profile, [Arrival(0.0, prompt_len, output_len)])
+
+
+def threshold_options(config: EngineConfig) -> list[ThresholdOption]:
+    """Candidate thresholds with the served model's tokens per step, ascending."""
+    if config.predictor_rates is None:
+        return list(FAST_DLLM_THRESHOLDS)
+    return [ThresholdOption(t, r) for t, r in sorted(config.predictor_rates)]
+
+
+def isolated_latency(
+    config: EngineConfig, profile: LatencyProfile, arrivals: Sequence[Arrival]
+) -> float:
+    """Mean seconds the `arrivals` take alone on TP-1 at the top threshold: the unit of
+    default SLOs and of the planner's SLO."""
+    return mean_isolated_latency(
+        profile,
+        arrivals,
+        threshold_options(config)[-1].tokens_per_step,
+        config.cache is not CacheMode.NONE,
+        config.block_length,
+    )

@@ -14,23 +14,42 @@ from .requests import RequestOutput
 T = TypeVar("T")
 
 
+class LoopThread:
+    """An event loop on a daemon thread: how synchronous code drives the engine, which
+    must only ever be touched from its own loop."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def run(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Runs `coroutine` on the loop and waits for its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+        self.loop.close()
+
+
 class LLM:
     """Starts an engine on a private event loop thread; `generate` blocks until every
     prompt is answered. Call `close()` (or use `with LLM(...) as llm:`) to stop workers."""
 
     def __init__(self, config: EngineConfig | None = None) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._thread.start()
+        self._loop = LoopThread()
+        self._run = self._loop.run
         self.engine = self._run(self._start(config))
 
     async def _start(self, config: EngineConfig | None) -> Engine:
         engine = Engine(config)
         await engine.start()
         return engine
-
-    def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     def generate(
         self, prompts: Sequence[str | Sequence[int]], params: GenerationParams | None = None
@@ -43,11 +62,9 @@ class LLM:
         return self._run(all_of())
 
     def close(self) -> None:
-        if self._thread.is_alive():
+        if self._loop.running:
             self._run(self.engine.shutdown())
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
+            self._loop.stop()
 
     def __enter__(self) -> LLM:
         return self

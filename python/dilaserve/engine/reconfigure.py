@@ -17,21 +17,20 @@ from typing import TYPE_CHECKING
 
 from dilaserve.planner import (
     DEFAULT_BATCH_TOKENS,
-    FAST_DLLM_THRESHOLDS,
     Deployment,
     Instance,
     LaunchAction,
     Plan,
     PlannerConfig,
     PlannerInputs,
-    ThresholdOption,
     TransitionPlan,
     classes_from_arrivals,
-    mean_isolated_latency,
     plan,
     plan_transition,
 )
 from dilaserve.protocol import CacheMode
+
+from .admission import isolated_latency, threshold_options
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -86,22 +85,18 @@ class Reconfigurer:
             return None
         async with self._lock:
             current, ids = self.deployment()
-            thresholds = self._threshold_options()
             caching = c.cache is not CacheMode.NONE
-            isolated = mean_isolated_latency(
-                engine.profile, arrivals, thresholds[-1].tokens_per_step, caching, c.block_length
-            )
             inputs = PlannerInputs(
                 classes=classes_from_arrivals(arrivals, now - window_s, now),
                 node_gpus=[c.slots],
                 config=PlannerConfig(
-                    slo_seconds=c.slo_scale * isolated,
+                    slo_seconds=c.slo_scale * isolated_latency(c, engine.profile, arrivals),
                     degrees=engine.planner_degrees,
                     batch_tokens=tuple(sorted({*DEFAULT_BATCH_TOKENS, c.max_batch_tokens})),
                     caching=caching,
                     block_length=c.block_length,
                 ),
-                thresholds=thresholds,
+                thresholds=threshold_options(c),
                 current=current,
             )
             result = await asyncio.to_thread(plan, inputs, engine.profile)
@@ -112,12 +107,6 @@ class Reconfigurer:
             if result.adopted and result.transition is not None:
                 await self._execute(result.transition, ids)
             return result
-
-    def _threshold_options(self) -> list[ThresholdOption]:
-        rates = self.engine.config.predictor_rates
-        if rates is None:
-            return list(FAST_DLLM_THRESHOLDS)
-        return [ThresholdOption(t, r) for t, r in sorted(rates)]
 
     async def _execute(self, transition: TransitionPlan, ids: list[int]) -> None:
         engine = self.engine

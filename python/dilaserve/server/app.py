@@ -150,19 +150,30 @@ class Server:
                 return await self._stream(request, shape, outputs, first, stop, include_usage)
             return await self._complete(shape, outputs, first, stop)
 
-    async def _complete(
-        self, shape: ResponseShape, outputs: AsyncIterator[RequestOutput], first, stop: StopText
-    ) -> web.Response:
+    async def _sendable(
+        self, outputs: AsyncIterator[RequestOutput], first: RequestOutput, stop: StopText
+    ) -> AsyncIterator[tuple[str, RequestOutput]]:
+        """Each update with the text it lets us send (cut at stop strings), from `first`
+        until the request ends or a stop string is reached; an engine error is counted
+        and raised."""
         last = first
-        stop.feed(first.delta, final=first.finished)
+        yield stop.feed(first.delta, final=first.finished), first
         while not (last.finished or stop.stopped):
             try:
                 last = await anext(outputs)
             except EngineError as exc:
                 self.metrics.ended(type(exc).__name__)
-                raise from_engine(exc) from exc
-            stop.feed(last.delta, final=last.finished)
-        reason, stats = self._ending(last, stop)
+                raise
+            yield stop.feed(last.delta, final=last.finished), last
+
+    async def _complete(
+        self, shape: ResponseShape, outputs: AsyncIterator[RequestOutput], first, stop: StopText
+    ) -> web.Response:
+        try:
+            updates = [last async for _, last in self._sendable(outputs, first, stop)]
+        except EngineError as exc:
+            raise from_engine(exc) from exc
+        reason, stats = self._ending(updates[-1], stop)
         body = shape.full(stop.text, reason, self._usage(stats, stop), stats)
         return web.json_response(body)
 
@@ -179,21 +190,17 @@ class Server:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await response.prepare(request)
-        await _event(
-            response, shape.chunk(stop.feed(first.delta, final=first.finished), first=True)
-        )
         last = first
-        while not (last.finished or stop.stopped):
-            try:
-                last = await anext(outputs)
-            except EngineError as exc:  # headers are sent: report in the stream
-                self.metrics.ended(type(exc).__name__)
-                await _event(response, from_engine(exc).body())
-                await response.write(b"data: [DONE]\n\n")
-                return response
-            delta = stop.feed(last.delta, final=last.finished)
-            if delta:
-                await _event(response, shape.chunk(delta))
+        try:
+            async for delta, last in self._sendable(outputs, first, stop):
+                if last is first:  # the first chunk names the role, even if empty
+                    await _event(response, shape.chunk(delta, first=True))
+                elif delta:
+                    await _event(response, shape.chunk(delta))
+        except EngineError as exc:  # headers are sent: report in the stream
+            await _event(response, from_engine(exc).body())
+            await response.write(b"data: [DONE]\n\n")
+            return response
         reason, stats = self._ending(last, stop)
         await _event(response, shape.chunk("", finish_reason=reason))
         if include_usage:

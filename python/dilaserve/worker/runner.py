@@ -344,11 +344,8 @@ class StepRunner:
             out_start = starts[i] - state.prompt_length
             positions = [out_start + j for j in range(size) if committed[i][j]]
             tokens = [new_ids[i][j] for j in range(size) if committed[i][j]]
-            for p, t in zip(positions, tokens, strict=True):
-                state.output_ids[p] = t
-            state.steps_done += 1
-            block_open = mask_id in state.output_ids[out_start : out_start + size]
-            state.block_steps = state.block_steps + 1 if block_open else 0
+            state.commit(out_start // size, positions, tokens)
+            block_open = state.block_steps != 0
             # Every step writes the fed tokens' K/V; only a recompute step refreshes the rest
             # of the sequence, which a cache step of the same block reads.
             h.cache_valid = (
