@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from dilaserve.engine import Engine, EngineConfig
+from dilaserve.engine import Engine, EngineConfig, Launcher
 from dilaserve.engine.offline import LoopThread
 from dilaserve.server import ServerSettings, bind, serve
 
@@ -17,9 +17,11 @@ API_KEY = "test-key"  # test_server.py uses the same
 
 
 class LiveServer(LoopThread):
-    def __init__(self, config: EngineConfig, settings: ServerSettings) -> None:
+    def __init__(
+        self, config: EngineConfig, settings: ServerSettings, launcher: Launcher | None = None
+    ) -> None:
         super().__init__()
-        self.engine = Engine(config)
+        self.engine = Engine(config, launcher)
         sock = bind("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         self.settings = settings
@@ -43,19 +45,32 @@ class LiveServer(LoopThread):
         self.stop()
 
 
-@pytest.fixture
-def start_server(tiny_profile) -> Iterator:
+def _start_servers(tiny_profile: str) -> Iterator:
     started: list[LiveServer] = []
 
-    def start(settings: ServerSettings | None = None, **config) -> LiveServer:
+    def start(
+        settings: ServerSettings | None = None, launcher: Launcher | None = None, **config
+    ) -> LiveServer:
         engine_config = EngineConfig(**{"profile": tiny_profile, "threads_per_worker": 1, **config})
-        live = LiveServer(engine_config, settings or ServerSettings("dilaserve-tiny"))
+        live = LiveServer(engine_config, settings or ServerSettings("dilaserve-tiny"), launcher)
         started.append(live)
         return live
 
     yield start
     for live in started:
         live.close()
+
+
+@pytest.fixture
+def start_server(tiny_profile) -> Iterator:
+    """`start_server(settings, launcher, **config)` starts a server stopped after the test."""
+    yield from _start_servers(tiny_profile)
+
+
+@pytest.fixture(scope="module")
+def start_module_server(tiny_profile) -> Iterator:
+    """`start_server` for a server that the tests of one module share."""
+    yield from _start_servers(tiny_profile)
 
 
 @pytest.fixture(scope="module")

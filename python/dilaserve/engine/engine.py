@@ -130,19 +130,16 @@ class Engine:
             ),
         )
         self.reconfigurer = Reconfigurer(self)
-        self._channel = WorkerChannel(self._on_message)
+        await self.launcher.start(self.reconfigurer.on_nodes_changed)
+        self._channel = WorkerChannel(self._on_message, self.launcher.endpoint_host)
         self._channel.start()
         self._running = True
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._loop()))
         if c.replan_interval_s:
             self._tasks.append(loop.create_task(self._replan_every(c.replan_interval_s)))
-        slot = 0
-        launches = []
-        for tp in c.instances:
-            launches.append(self.launch_instance(tp, tuple(range(slot, slot + tp))))
-            slot += tp
-        await asyncio.gather(*launches)
+        placements = self.reconfigurer.initial_placement(c.instances)
+        await asyncio.gather(*(self.launch_instance(*p) for p in placements))
 
     async def shutdown(self) -> None:
         """Stops every worker; requests still running fail with `EngineStoppedError`."""
@@ -167,6 +164,7 @@ class Engine:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._channel.close()
+        await self.launcher.close()
 
     def now(self) -> float:
         """Seconds on the scheduler's clock."""
@@ -330,13 +328,20 @@ class Engine:
             model=self.model_dir,
             cache=c.cache,
             max_requests=c.max_requests_per_instance,
+            kv_cache_memory=c.kv_cache_memory,
             tp=inst.tp,
             dtype=c.dtype,
             device=c.device if c.device == "cpu" else f"{c.device}:{inst.gpus[0]}",
             threads=c.worker_threads,
             devices=tuple(c.device if c.device == "cpu" else f"{c.device}:{g}" for g in inst.gpus),
+            node=inst.node,
         )
-        handle = await self.launcher.launch(spec)
+        try:
+            handle = await self.launcher.launch(spec)
+        except Exception:
+            log.exception("instance %d: launch failed; giving it up", inst.id)
+            self._retire(inst)
+            raise
         inst.handle = handle
         self._workers[worker_id] = inst
         self._tasks.append(asyncio.get_running_loop().create_task(self._watch(inst, handle)))
@@ -363,6 +368,20 @@ class Engine:
             self._retire(inst)
         else:
             self._tasks.append(asyncio.get_running_loop().create_task(self._start_worker(inst)))
+        self._wake.set()
+
+    def lose_instance(self, instance_id: int) -> None:
+        """The instance's placement is gone (its node left the cluster): its requests
+        resume elsewhere now, and it is stopped, not restarted."""
+        inst = self.instances.get(instance_id)
+        if inst is None:
+            return
+        inst.stopping = True
+        self._forget(inst)
+        if inst.handle is None:
+            self._retire(inst)
+        else:
+            inst.handle.kill()
         self._wake.set()
 
     def _forget(self, inst: InstanceRecord) -> None:

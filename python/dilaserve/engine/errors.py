@@ -35,3 +35,8 @@ class RequestFailedError(EngineError):
 
 class EngineStoppedError(EngineError):
     """The engine is not running (never started, shutting down, or no instance left)."""
+
+
+class LaunchError(EngineError):
+    """An instance could not be placed: its node left, no node offers the devices, or the
+    placement did not come up in time."""

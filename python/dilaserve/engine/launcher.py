@@ -1,5 +1,8 @@
 """Starting and stopping worker processes. The engine only sees the `Launcher` interface,
-so a distributed launcher (Ray placement groups) can replace the local one.
+so a distributed launcher (`RayLauncher`: Ray placement groups) can replace the local one.
+A launcher also says where workers connect (IPC on this machine, TCP across machines) and
+which nodes with how many device slots the planner may use, and reports nodes that join or
+leave.
 
 An instance is one handle whatever its degree: a TP-d instance is d rank processes that
 live and die together. Its handle's `wait` returns once every rank has exited, and the
@@ -17,6 +20,7 @@ import signal
 import sys
 import tempfile
 from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 
 from dilaserve.protocol import CacheMode
@@ -40,6 +44,10 @@ class WorkerSpec:
     threads: int | None = None
     #: Each rank's device (e.g. `cuda:2`, `cuda:3`); empty: every rank on `device`.
     devices: tuple[str, ...] = ()
+    #: KV pool budget per rank: bytes, a fraction of free device memory, None: default.
+    kv_cache_memory: int | float | None = None
+    #: The launcher's key of the node the instance is placed on.
+    node: int = 0
 
     def rank_device(self, rank: int) -> str:
         return self.devices[rank] if self.devices else self.device
@@ -58,6 +66,8 @@ class WorkerSpec:
         ]  # fmt: skip
         if self.threads:
             args += ["--threads", str(self.threads)]
+        if self.kv_cache_memory is not None:
+            args += ["--kv-cache-memory", str(self.kv_cache_memory)]
         if self.tp > 1:
             if dist_init is None:
                 raise ValueError(f"instance {self.instance}: TP {self.tp} needs a rendezvous")
@@ -83,8 +93,30 @@ class WorkerHandle(ABC):
         """Stops the worker at once."""
 
 
+#: Called with the keys of the nodes that left and of those that joined.
+NodesChanged = Callable[[Collection[int], Collection[int]], None]
+
+
 class Launcher(ABC):
     """Places worker processes; each connects to the engine at `WorkerSpec.endpoint`."""
+
+    #: Address the engine's worker endpoint listens on: None for IPC (every worker on this
+    #: machine), a host address for TCP.
+    endpoint_host: str | None = None
+
+    async def start(self, on_nodes_changed: NodesChanged) -> None:
+        """Called once by the engine before its first launch; this machine alone never
+        changes."""
+        return
+
+    async def close(self) -> None:
+        """Called once by the engine after its last worker has exited."""
+        return
+
+    def node_slots(self, local_slots: int) -> dict[int, int]:
+        """Device slots per node key (a key is stable while its node lives); one node of
+        `local_slots` unless the launcher knows a cluster."""
+        return {0: local_slots}
 
     @abstractmethod
     async def launch(self, spec: WorkerSpec) -> WorkerHandle: ...
@@ -142,22 +174,10 @@ class LocalGroup(WorkerHandle):
         return await asyncio.shield(self._waiter)
 
     async def _wait_all(self) -> int:
-        exits = [asyncio.ensure_future(p.wait()) for p in self.processes]
         try:
-            await asyncio.wait(exits, return_when=asyncio.FIRST_COMPLETED)
-            first = next(rank for rank, e in enumerate(exits) if e.done())
-            _, alive = await asyncio.wait(exits, timeout=self.GRACE_S)
-            if alive:
-                log.warning(
-                    "instance %d: rank %d exited; killing %d remaining ranks",
-                    self.spec.instance,
-                    first,
-                    len(alive),
-                )
-                self.kill()
-                await asyncio.wait(exits)
-            codes = [e.result() for e in exits]
-            return next((c for c in [codes[first], *codes] if c), 0)
+            return await wait_group(
+                [p.wait() for p in self.processes], self.kill, self.GRACE_S, self.spec.instance
+            )
         finally:
             shutil.rmtree(self._rendezvous, ignore_errors=True)
 
@@ -168,6 +188,26 @@ class LocalGroup(WorkerHandle):
     def kill(self) -> None:
         for process in self.processes:
             _signal(process, signal.SIGKILL)
+
+
+async def wait_group(
+    exits: list[Awaitable[int]], kill: Callable[[], None], grace_s: float, instance: int
+) -> int:
+    """Waits until every rank of an instance has exited: once one has, the others get
+    `grace_s` to leave on their own, then `kill` ends them. Returns the instance's exit
+    code: the first rank's if it failed, else any rank's failure, else 0."""
+    waits = [asyncio.ensure_future(e) for e in exits]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    first = next(rank for rank, w in enumerate(waits) if w.done())
+    _, alive = await asyncio.wait(waits, timeout=grace_s)
+    if alive:
+        log.warning(
+            "instance %d: rank %d exited; killing %d remaining ranks", instance, first, len(alive)
+        )
+        kill()
+        await asyncio.wait(waits)
+    codes = [w.result() for w in waits]
+    return next((c for c in [codes[first], *codes] if c), 0)
 
 
 def _signal(process: asyncio.subprocess.Process, sig: int) -> None:

@@ -4,6 +4,10 @@ Every worker process connects a DEALER socket whose identity is its worker id (u
 process start), so a restarted instance is never confused with its dead predecessor.
 Sends never block the engine loop: a frame to a worker that is gone fails at once
 (`ROUTER_MANDATORY`), which the engine treats as a failed step.
+
+Workers on this machine connect over IPC (a socket file in a private directory); workers
+on other machines over TCP, to a port the system picks on the host address the launcher
+names (`tcp_host`).
 """
 
 from __future__ import annotations
@@ -34,15 +38,25 @@ class SendError(RuntimeError):
 
 
 class WorkerChannel:
-    def __init__(self, on_message: Callable[[int, WorkerMessage], None]) -> None:
+    def __init__(
+        self, on_message: Callable[[int, WorkerMessage], None], tcp_host: str | None = None
+    ) -> None:
         self._on_message = on_message
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._dir = tempfile.mkdtemp(prefix="dilaserve-")
-        self.endpoint = f"ipc://{self._dir}/engine.sock"
-        self._socket.bind(self.endpoint)
+        self._dir: str | None = None
+        if tcp_host is None:
+            self._dir = tempfile.mkdtemp(prefix="dilaserve-")
+            self.endpoint = f"ipc://{self._dir}/engine.sock"
+            self._socket.bind(self.endpoint)
+        else:
+            host = f"[{tcp_host}]" if ":" in tcp_host else tcp_host
+            if ":" in tcp_host:
+                self._socket.setsockopt(zmq.IPV6, 1)
+            port = self._socket.bind_to_random_port(f"tcp://{host}")
+            self.endpoint = f"tcp://{host}:{port}"
         self._reader: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -78,11 +92,10 @@ class WorkerChannel:
                 await self._reader
         self._socket.close()
         self._context.term()
-        try:
-            os.unlink(self.endpoint.removeprefix("ipc://"))
-            os.rmdir(self._dir)
-        except OSError:
-            pass
+        if self._dir is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.endpoint.removeprefix("ipc://"))
+                os.rmdir(self._dir)
 
 
 def _log_failed_send(sent: asyncio.Future[object]) -> None:
