@@ -12,11 +12,12 @@ from pathlib import Path
 
 import torch
 
-from dilaserve.engine import Engine, EngineConfig
+from dilaserve.engine import Engine, EngineConfig, Launcher, LocalLauncher
 from dilaserve.protocol import CacheMode
 from dilaserve.scheduler import Policy
 from dilaserve.server import ServerSettings, bind, serve
 from dilaserve.tiny import MODEL_NAME
+from dilaserve.worker.kv_cache import parse_kv_memory
 
 # Flag defaults; a TOML file (`--config`) overrides them, explicit flags override both.
 DEFAULTS = {
@@ -33,6 +34,7 @@ DEFAULTS = {
     "one_shot": False,
     "max_queued": None,
     "max_requests_per_instance": 64,
+    "kv_cache_memory": None,
     "max_batch_tokens": 8192,
     "profile": None,
     "replan_interval": None,
@@ -43,6 +45,9 @@ DEFAULTS = {
     "api_key": None,
     "max_body_bytes": 1 << 20,
     "log_level": "info",
+    "launcher": "local",
+    "ray_address": "auto",
+    "ray_resource": None,
 }
 
 
@@ -70,7 +75,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-migration", action="store_true", help="ablation")
     p.add_argument("--one-shot", action="store_true", help="ablation: one-shot prediction")
     p.add_argument("--max-queued", type=int, help="admission: queue bound when overloaded")
-    p.add_argument("--max-requests-per-instance", type=int, help="KV slots per instance")
+    p.add_argument(
+        "--max-requests-per-instance", type=int, help="resident requests per instance (64)"
+    )
+    p.add_argument(
+        "--kv-cache-memory",
+        help="KV pool per worker: bytes (8GiB) or a fraction of free device memory (0.5); "
+        "default: 0.9 of a GPU's free memory, 0.25 of a host's",
+    )
     p.add_argument("--max-batch-tokens", type=int)
     p.add_argument("--profile", help="latency profile JSON (default: measured at start-up)")
     p.add_argument("--replan-interval", type=float, help="seconds between cluster re-plans")
@@ -81,6 +93,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", help="require `Authorization: Bearer KEY` (or DILASERVE_API_KEY)")
     p.add_argument("--max-body-bytes", type=int)
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--launcher",
+        choices=["local", "ray"],
+        help="where workers run: processes on this machine, or a Ray cluster's nodes "
+        "(needs `pip install 'dilaserve[ray]'`)",
+    )
+    p.add_argument("--ray-address", help="the Ray cluster: auto (default) or HOST:PORT")
+    p.add_argument(
+        "--ray-resource",
+        help="the Ray resource one rank takes (default: GPU on cuda, else CPU; or a custom one)",
+    )
     p.set_defaults(run=run)
 
 
@@ -111,6 +134,13 @@ def parse_instances(spec: str) -> tuple[int, ...]:
             raise ValueError(f"--instances: {part!r} needs positive numbers")
         degrees += [tp] * count
     return tuple(degrees)
+
+
+def kv_memory(value: str | int | float | None) -> int | float | None:
+    """`kv_cache_memory` from the command line (a string) or a config file (a number)."""
+    if value is None or isinstance(value, int | float):
+        return value
+    return parse_kv_memory(str(value))
 
 
 def policy_from(values: dict) -> Policy:
@@ -148,10 +178,27 @@ def engine_config(values: dict) -> EngineConfig:
         policy=policy_from(values),
         max_queued=values["max_queued"],
         max_requests_per_instance=values["max_requests_per_instance"],
+        kv_cache_memory=kv_memory(values["kv_cache_memory"]),
         max_batch_tokens=values["max_batch_tokens"],
         profile=values["profile"],
         replan_interval_s=values["replan_interval"],
     )
+
+
+def launcher_from(values: dict, config: EngineConfig) -> Launcher:
+    """The local launcher, or a `RayLauncher` (Ray is imported only then)."""
+    if values["launcher"] == "local":
+        return LocalLauncher()
+    if values["launcher"] != "ray":
+        raise ValueError(f"launcher must be local or ray, got {values['launcher']!r}")
+    try:
+        from dilaserve.engine.ray_launcher import RayLauncher
+    except ImportError as exc:
+        raise ValueError(
+            f"--launcher ray needs Ray: pip install 'dilaserve[ray]' ({exc})"
+        ) from None
+    resource = values["ray_resource"] or ("CPU" if config.device == "cpu" else "GPU")
+    return RayLauncher(values["ray_address"], resource)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -170,5 +217,5 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=values["max_body_bytes"],
     )
     sock = bind(values["host"], values["port"])
-    asyncio.run(serve(Engine(config), settings, sock))
+    asyncio.run(serve(Engine(config, launcher_from(values, config)), settings, sock))
     return 0
