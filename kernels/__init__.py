@@ -7,9 +7,6 @@ the `*_reference` and `*_triton` variants are exported for tests and benchmarks.
 
 from .backend import KernelInputError, TritonUnavailableError
 from .kv_reuse import (
-    gather_kv,
-    gather_kv_reference,
-    gather_kv_triton,
     scatter_kv,
     scatter_kv_reference,
     scatter_kv_triton,
@@ -43,9 +40,6 @@ __all__ = [
     "confidence_commit_reference",
     "confidence_commit_triton",
     "confidence_stats",
-    "gather_kv",
-    "gather_kv_reference",
-    "gather_kv_triton",
     "scatter_kv",
     "scatter_kv_reference",
     "scatter_kv_triton",

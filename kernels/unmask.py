@@ -239,7 +239,7 @@ if triton is not None:
             run_max = new_max
         return run_max, run_sum, run_idx
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["m", "vocab", "stride_lb", "stride_lm"])
     def _argmax_confidence_kernel(
         logits_ptr,
         candidate_ptr,
@@ -269,7 +269,7 @@ if triton is not None:
         tl.store(x0_ptr + pid, tl.where(is_candidate, best.to(tl.int64), -1))
         tl.store(confidence_ptr + pid, tl.where(is_candidate, 1.0 / total, float("-inf")))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["m", "stride_ib", "stride_im"])
     def _threshold_commit_kernel(
         confidence_ptr,
         x0_ptr,
@@ -304,7 +304,7 @@ if triton is not None:
         tl.store(committed_ptr + flat, commit.to(tl.int8), mask=inside)
         tl.store(counts_ptr + row, tl.sum(commit.to(tl.int64), axis=0))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["m", "vocab", "vocab_offset", "stride_lb", "stride_lm"])
     def _vocab_partials_kernel(
         logits_ptr,
         top_ptr,

@@ -12,9 +12,6 @@ from dilaserve.kernels import (
     confidence_commit,
     confidence_commit_reference,
     confidence_commit_triton,
-    gather_kv,
-    gather_kv_reference,
-    gather_kv_triton,
     scatter_kv,
     scatter_kv_reference,
     scatter_kv_triton,
@@ -295,35 +292,27 @@ def test_dispatcher_commits_like_the_reference() -> None:
 # --- KV reuse ---------------------------------------------------------------------------------
 
 
-def _cache(
-    slots: int = 5, heads: int = 2, length: int = 12, dim: int = 6, seed: int = 20
-) -> torch.Tensor:
-    return torch.randn(slots, heads, length, dim, generator=_gen(seed)).to(DEVICE)
+def _cache(tokens: int = 24, heads: int = 2, dim: int = 6, seed: int = 20) -> torch.Tensor:
+    return torch.randn(tokens, heads, dim, generator=_gen(seed)).to(DEVICE)
 
 
 def _scatter_inputs(
     dtype: torch.dtype = torch.float32, seed: int = 21
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """rows [3] = slots 3, 0, 4; positions [3, 4] distinct per row; valid; new [3, 2, 4, 6]."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """slots [7] distinct pool rows; new [7, 2, 6]."""
     g = _gen(seed)
-    rows = torch.tensor([3, 0, 4])
-    positions = torch.stack([torch.randperm(12, generator=g)[:4] for _ in range(3)])
-    valid = torch.rand(3, 4, generator=g) < 0.6
-    valid[0, 0] = True
-    valid[1, 2] = False
-    new = torch.randn(3, 2, 4, 6, generator=g).to(dtype)
-    return rows.to(DEVICE), positions.to(DEVICE), valid.to(DEVICE), new.to(DEVICE)
+    slots = torch.randperm(24, generator=g)[:7]
+    new = torch.randn(7, 2, 6, generator=g).to(dtype)
+    return slots.to(DEVICE), new.to(DEVICE)
 
 
 def test_scatter_reference_matches_direct_loop() -> None:
     cache = _cache()
-    rows, positions, valid, new = _scatter_inputs()
+    slots, new = _scatter_inputs()
     want = cache.clone()
-    for i in range(3):
-        for j in range(4):
-            if valid[i, j]:
-                want[rows[i], :, positions[i, j], :] = new[i, :, j, :]
-    scatter_kv_reference(cache, rows, positions, valid, new)
+    for t in range(7):
+        want[slots[t]] = new[t]
+    scatter_kv_reference(cache, slots, new)
     assert torch.equal(cache, want)
 
 
@@ -337,63 +326,54 @@ def test_scatter_reference_matches_direct_loop() -> None:
 )
 def test_scatter_kernel_matches_reference(cache_dtype: torch.dtype, new_dtype: torch.dtype) -> None:
     cache = _cache().to(cache_dtype)
-    rows, positions, valid, new = _scatter_inputs(new_dtype)
+    slots, new = _scatter_inputs(new_dtype)
     got, want = cache.clone(), cache.clone()
-    scatter_kv_triton(got, rows, positions, valid, new)
-    scatter_kv_reference(want, rows, positions, valid, new)
+    scatter_kv_triton(got, slots, new)
+    scatter_kv_reference(want, slots, new)
     assert torch.equal(got, want)
-    # Untouched: slots no row maps to, and the entries behind invalid positions.
-    assert torch.equal(got[[1, 2]], cache[[1, 2]])
-    for i, j in (~valid).nonzero().tolist():
-        if not ((positions[i] == positions[i, j]) & valid[i]).any():
-            assert torch.equal(got[rows[i], :, positions[i, j]], cache[rows[i], :, positions[i, j]])
-    assert not torch.equal(got, cache)
+    untouched = torch.ones(24, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert torch.equal(got[untouched], cache[untouched])
 
 
-def test_scatter_kernel_reads_strided_new_and_int32_indices() -> None:
-    cache = _cache()
-    rows, positions, valid, new = _scatter_inputs()
-    strided = new.transpose(1, 2).contiguous().transpose(1, 2)  # model layout [b, n, H, D]
+def test_scatter_kernel_reads_strided_new_and_int32_slots() -> None:
+    cache = _cache(heads=3)
+    slots, _ = _scatter_inputs()
+    new = torch.randn(3, 7, 6, generator=_gen(5)).to(DEVICE).transpose(0, 1)  # [7, 3, 6] view
     got, want = cache.clone(), cache.clone()
-    scatter_kv_triton(got, rows.int(), positions.int(), valid, strided)
-    scatter_kv_reference(want, rows, positions, valid, new)
+    scatter_kv_triton(got, slots.int(), new)
+    scatter_kv_reference(want, slots, new)
     assert torch.equal(got, want)
 
 
-def test_gather_reference_matches_direct_loop() -> None:
+def test_scatter_kernel_skips_slots_outside_the_cache() -> None:
     cache = _cache()
-    rows = torch.tensor([4, 1, 4, 0], device=DEVICE)
-    got = gather_kv_reference(cache, rows, 9)
-    assert torch.equal(got, torch.stack([cache[r, :, :9, :] for r in rows.tolist()]))
-
-
-@pytest.mark.parametrize("length", [0, 1, 9, 12])
-def test_gather_kernel_matches_reference(length: int) -> None:
-    cache = _cache(length=12, dim=5).to(torch.bfloat16)
-    rows = torch.tensor([4, 1, 4, 0], device=DEVICE)
-    got = gather_kv_triton(cache, rows, length)
-    assert got.shape == (4, 2, length, 5)
-    assert torch.equal(got, gather_kv_reference(cache, rows, length))
-
-
-def test_kv_dispatchers_match_references() -> None:
-    cache = _cache()
-    rows, positions, valid, new = _scatter_inputs()
+    slots, new = _scatter_inputs()
+    slots[0], slots[1] = -1, 24
+    got = cache.clone()
+    scatter_kv_triton(got, slots, new)
     want = cache.clone()
-    scatter_kv(cache, rows, positions, valid, new)
-    scatter_kv_reference(want, rows, positions, valid, new)
+    scatter_kv_reference(want, slots[2:], new[2:])
+    assert torch.equal(got, want)
+
+
+def test_kv_dispatcher_matches_reference() -> None:
+    cache = _cache()
+    slots, new = _scatter_inputs()
+    want = cache.clone()
+    scatter_kv(cache, slots, new)
+    scatter_kv_reference(want, slots, new)
     assert torch.equal(cache, want)
-    assert torch.equal(gather_kv(cache, rows, 7), gather_kv_reference(want, rows, 7))
 
 
 def test_kv_kernels_reject_bad_inputs() -> None:
     cache = _cache()
-    rows, positions, valid, new = _scatter_inputs()
-    with pytest.raises(KernelInputError, match="length"):
-        gather_kv(cache, rows, 13)
+    slots, new = _scatter_inputs()
     with pytest.raises(KernelInputError, match="heads"):
-        scatter_kv(cache, rows, positions, valid, new[:, :1])
-    with pytest.raises(KernelInputError, match="valid"):
-        scatter_kv_triton(cache, rows, positions, valid.int(), new)
-    with pytest.raises(KernelInputError, match="rows"):
-        gather_kv_triton(cache, rows.float(), 4)
+        scatter_kv(cache, slots, new[:, :1])
+    with pytest.raises(KernelInputError, match="slots"):
+        scatter_kv_triton(cache, slots.float(), new)
+    with pytest.raises(KernelInputError, match="slots"):
+        scatter_kv(cache, slots[:3], new)
+    with pytest.raises(IndexError):
+        scatter_kv_reference(cache, torch.full_like(slots, 24), new)

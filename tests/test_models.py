@@ -197,11 +197,19 @@ def _single(model, ids, positions=None):
     return model(ids[None], pos[None], torch.ones(1, n, dtype=torch.bool))[0]
 
 
-def _pool(model, slots=4, max_len=32):
+SLOT = 32  # pool rows per test request
+
+
+def _pool(model, slots=4):
     c = model.config
     return KVCachePool(
-        c.num_layers, slots, c.num_kv_heads, max_len, c.head_dim, model.dtype, model.device
+        c.num_layers, slots * SLOT, c.num_kv_heads, c.head_dim, model.dtype, model.device
     )
+
+
+def _base(*slots):
+    """First pool rows of test requests in `slots` (each SLOT rows long)."""
+    return torch.tensor([s * SLOT for s in slots])
 
 
 # ---------------------------------------------------------------------------------------
@@ -295,22 +303,24 @@ def test_write_then_read_all_positions_equal_off(family_dir):
     ids = _tokens(model, 12, seed=4)[None]
     positions = torch.arange(12)[None]
     valid = torch.ones(1, 12, dtype=torch.bool)
-    pool, rows = _pool(model), torch.tensor([2])
+    pool, rows = _pool(model), _base(2)
     off = model(ids, positions, valid)
-    written = model(ids, positions, valid, cache=pool, cache_rows=rows, cache_mode="write")
+    written = model(ids, positions, valid, cache=pool, cache_base=rows, cache_mode="write")
     read = model(
         ids,
         positions,
         valid,
         cache=pool,
-        cache_rows=rows,
+        cache_base=rows,
         cache_mode="read",
         cache_len=torch.tensor([12]),
     )
     torch.testing.assert_close(written, off)
     torch.testing.assert_close(read, off, rtol=1e-5, atol=1e-5)
-    assert pool.keys[0][2, :, :12].abs().sum() > 0
-    assert pool.keys[0][[0, 1, 3]].abs().sum() == 0  # other slots untouched
+    assert pool.keys[0][2 * SLOT : 2 * SLOT + 12].abs().sum() > 0
+    untouched = torch.ones(4 * SLOT, dtype=torch.bool)
+    untouched[2 * SLOT : 2 * SLOT + 12] = False
+    assert pool.keys[0][untouched].abs().sum() == 0  # other requests' rows untouched
 
 
 def test_read_of_a_block_over_fresh_cache_equals_off(family_dir):
@@ -319,14 +329,14 @@ def test_read_of_a_block_over_fresh_cache_equals_off(family_dir):
     model = load_model(family_dir)
     ids = _tokens(model, 14, seed=5)
     positions = torch.arange(14)
-    pool, rows = _pool(model), torch.tensor([1])
+    pool, rows = _pool(model), _base(1)
     off = _single(model, ids)
     model(
         ids[None],
         positions[None],
         torch.ones(1, 14, dtype=torch.bool),
         cache=pool,
-        cache_rows=rows,
+        cache_base=rows,
         cache_mode="write",
     )
     block = slice(4, 10)
@@ -335,7 +345,7 @@ def test_read_of_a_block_over_fresh_cache_equals_off(family_dir):
         positions[None, block],
         torch.ones(1, 6, dtype=torch.bool),
         cache=pool,
-        cache_rows=rows,
+        cache_base=rows,
         cache_mode="read",
         cache_len=torch.tensor([14]),
     )
@@ -345,13 +355,13 @@ def test_read_of_a_block_over_fresh_cache_equals_off(family_dir):
 def _stale_read(model, old, new, block_start):
     """Writes `old` in full, then reads `new`'s block `[block_start:]` over that cache."""
     n = old.numel()
-    pool, rows = _pool(model), torch.tensor([0])
+    pool, rows = _pool(model), _base(0)
     model(
         old[None],
         torch.arange(n)[None],
         torch.ones(1, n, dtype=torch.bool),
         cache=pool,
-        cache_rows=rows,
+        cache_base=rows,
         cache_mode="write",
     )
     read = model(
@@ -359,7 +369,7 @@ def _stale_read(model, old, new, block_start):
         torch.arange(block_start, n)[None],
         torch.ones(1, n - block_start, dtype=torch.bool),
         cache=pool,
-        cache_rows=rows,
+        cache_base=rows,
         cache_mode="read",
         cache_len=torch.tensor([n]),
     )
@@ -387,10 +397,10 @@ def test_read_attends_over_stale_prefix_and_fresh_block(tmp_path, family):
         torch.arange(10)[None],
         torch.ones(1, 10, dtype=torch.bool),
         cache=fresh,
-        cache_rows=torch.tensor([0]),
+        cache_base=_base(0),
         cache_mode="write",
     )
-    torch.testing.assert_close(pool.keys[0][0, :, :10], fresh.keys[0][0, :, :10])
+    torch.testing.assert_close(pool.keys[0][:10], fresh.keys[0][:10])
     read, _ = _stale_read(two, old, new, 6)
     assert not torch.allclose(read, _single(two, new)[6:], atol=1e-3)
 
@@ -429,17 +439,17 @@ def test_padded_batch_rows_equal_rows_alone(family_dir):
 
 
 def test_padded_batch_with_cache_rows_equals_rows_alone(family_dir):
-    """Write and read through per-row slots (not in batch order): padding never reaches a
-    slot, and each row reads only its own."""
+    """Write and read through per-row pool extents (not in batch order): padding never
+    reaches the pool, and each row reads only its own extent."""
     model = load_model(family_dir)
     seqs = [_tokens(model, 7, seed=11), _tokens(model, 12, seed=12)]
     ids, positions, valid, columns = _batch(model, seqs, [0, 0], [False, True])
-    pool, rows = _pool(model), torch.tensor([3, 0])
+    pool, rows = _pool(model), _base(3, 0)
     lengths = torch.tensor([7, 12])
-    model(ids, positions, valid, cache=pool, cache_rows=rows, cache_mode="write")
-    assert pool.keys[1][3, :, 7:].abs().sum() == 0  # nothing past row 0's length
+    model(ids, positions, valid, cache=pool, cache_base=rows, cache_mode="write")
+    assert pool.keys[1][3 * SLOT + 7 :].abs().sum() == 0  # nothing past row 0's length
     read = model(
-        ids, positions, valid, cache=pool, cache_rows=rows, cache_mode="read", cache_len=lengths
+        ids, positions, valid, cache=pool, cache_base=rows, cache_mode="read", cache_len=lengths
     )
     for i, seq in enumerate(seqs):
         torch.testing.assert_close(read[i, columns[i]], _single(model, seq), rtol=1e-5, atol=1e-5)
@@ -654,7 +664,7 @@ def test_bad_cache_arguments_are_rejected(tiny_llada_dir):
             positions,
             valid,
             cache=_pool(model),
-            cache_rows=torch.tensor([0]),
+            cache_base=_base(0),
             cache_mode="read",
         )
 

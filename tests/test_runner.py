@@ -7,7 +7,12 @@ import torch
 
 from dilaserve.models import load_model
 from dilaserve.protocol import RequestState, StepEntry, StepKind, TokenStateError
-from dilaserve.worker.errors import MigrationError, RequestNotHeldError, StepRejectedError
+from dilaserve.worker.errors import (
+    CacheFullError,
+    MigrationError,
+    RequestNotHeldError,
+    StepRejectedError,
+)
 from dilaserve.worker.generate import generate
 from dilaserve.worker.runner import StepRunner
 
@@ -123,9 +128,9 @@ def _count_fed_tokens(model, monkeypatch):
     calls = []
     original = model.forward
 
-    def counting(input_ids, positions, valid, **kw):
-        calls.append((kw.get("cache_mode", "off"), valid.sum(dim=1).tolist()))
-        return original(input_ids, positions, valid, **kw)
+    def counting(batch, **kw):
+        calls.append(batch.lengths)
+        return original(batch, **kw)
 
     monkeypatch.setattr(model, "forward", counting)
     return calls
@@ -137,13 +142,12 @@ def test_dual_cache_steps_feed_only_the_block(model, monkeypatch):
     calls = _count_fed_tokens(model, monkeypatch)
     results = generate(runner, prompts, gen_length=2 * BLOCK, block_length=BLOCK, threshold=1.0)
     per_row = BLOCK + model.config.logit_shift
-    cache_calls = [fed for mode, fed in calls if mode == "read"]
-    assert cache_calls, "no cache step ran"
-    assert all(fed == [per_row] * len(fed) for fed in cache_calls)
-    recompute = [fed for mode, fed in calls if mode == "write"]
+    full = {len(p) + 2 * BLOCK for p in prompts}
+    fed = [n for lengths in calls for n in lengths]
+    assert set(fed) == full | {per_row}, "a row fed more than its block in a cache step"
     # One recompute step opens each block of each request, over the whole sequence.
-    assert sum(len(f) for f in recompute) == 2 * len(prompts)
-    assert sorted({n for f in recompute for n in f}) == sorted(len(p) + 2 * BLOCK for p in prompts)
+    assert sum(n in full for n in fed) == 2 * len(prompts)
+    assert len(calls) == len(results[0].state.output_ids)  # one model call per step
     assert all(r.steps == 2 * BLOCK for r in results)  # tau = 1.0: one token per step
 
 
@@ -270,16 +274,24 @@ def test_bad_input_is_rejected_without_harming_others(model):
         _step(runner, [(3, 0.0)])
 
 
-def test_kv_slots_are_recycled(model):
+def test_kv_tokens_are_recycled_and_bound_admission(model):
     mask = model.config.mask_token_id
     runner = StepRunner(model, cache="dual", max_requests=1, max_seq_len=64)
+    assert runner.kv_tokens == 64  # one request of max_seq_len, well under any budget
     for _ in range(3):
         (out,) = generate(runner, [[1, 2, 3]], gen_length=BLOCK, block_length=BLOCK, threshold=0.0)
         assert out.steps == 1
-    assert runner.pool is not None and runner.pool.free_slots == 1
-    runner.add(RequestState.new(5, [1], BLOCK, block_length=BLOCK, mask_token_id=mask))
-    with pytest.raises(RuntimeError, match="slot"):
-        runner.add(RequestState.new(6, [1], BLOCK, block_length=BLOCK, mask_token_id=mask))
+    assert runner.pool is not None and runner.pool.free_tokens == 64
+    # Tokens, not requests, bound admission: two short requests share the pool...
+    runner.add(RequestState.new(5, [1] * 20, 4 * BLOCK, block_length=BLOCK, mask_token_id=mask))
+    runner.add(RequestState.new(6, [1] * 4, BLOCK, block_length=BLOCK, mask_token_id=mask))
+    assert runner.pool.free_tokens == 64 - (20 + 4 * BLOCK) - (4 + BLOCK) == 0
+    # ... and one token more does not fit.
+    with pytest.raises(CacheFullError, match="KV tokens"):
+        runner.add(RequestState.new(7, [1], BLOCK, block_length=BLOCK, mask_token_id=mask))
+    assert 7 not in runner
+    runner.release(5)
+    runner.add(RequestState.new(7, [1], BLOCK, block_length=BLOCK, mask_token_id=mask))
 
 
 def test_mask_token_is_never_committed(model, monkeypatch):

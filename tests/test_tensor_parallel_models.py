@@ -263,18 +263,17 @@ def _three_forwards(model) -> list[torch.Tensor]:
     x = _inputs()
     pool = KVCachePool(
         num_layers=model.config.num_layers,
-        num_slots=2,
+        capacity=32,
         num_kv_heads=model.local_kv_heads,
-        max_len=16,
         head_dim=model.config.head_dim,
         dtype=model.dtype,
         device=model.device,
     )
-    rows = torch.tensor([1, 0])
+    rows = torch.tensor([16, 0])
     with torch.inference_mode():
         off = model(x["ids"], x["positions"], x["valid"])
         write = model(
-            x["ids"], x["positions"], x["valid"], cache=pool, cache_rows=rows, cache_mode="write"
+            x["ids"], x["positions"], x["valid"], cache=pool, cache_base=rows, cache_mode="write"
         )
         block_ids = (x["ids"][:, 4:8] + 1) % 280
         read = model(
@@ -282,7 +281,7 @@ def _three_forwards(model) -> list[torch.Tensor]:
             x["positions"][:, 4:8].clone().fill_(0) + torch.arange(4, 8),
             torch.ones(2, 4, dtype=torch.bool),
             cache=pool,
-            cache_rows=rows,
+            cache_base=rows,
             cache_mode="read",
             cache_len=torch.tensor([12, 9]),
         )

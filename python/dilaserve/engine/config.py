@@ -35,8 +35,12 @@ class EngineConfig:
     #: Torch intra-op threads per worker; None gives each slot an equal share of the cores,
     #: so instances on one CPU do not oversubscribe it.
     threads_per_worker: int | None = None
-    #: KV-cache slots (resident requests) per instance.
+    #: Resident requests per instance (the KV pool holds at most this many full-length
+    #: sequences; admission counts the pool's tokens).
     max_requests_per_instance: int = 64
+    #: KV pool budget per worker rank: bytes (int), a fraction of free device memory
+    #: (float), or None for the worker's default share.
+    kv_cache_memory: int | float | None = None
     #: Most tokens one step of an instance processes (the planner's batch size).
     max_batch_tokens: int = 8192
     thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS

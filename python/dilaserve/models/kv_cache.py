@@ -1,5 +1,5 @@
 """The KV-cache interface the model layers use. The worker owns the storage (its pool
-implements this protocol); models only call `write` and `read`, so they never import it."""
+implements this protocol); models only call `write` and `layer`, so they never import it."""
 
 from __future__ import annotations
 
@@ -9,20 +9,9 @@ import torch
 
 
 class KVCache(Protocol):
-    def write(
-        self,
-        layer: int,
-        rows: torch.Tensor,
-        positions: torch.Tensor,
-        valid: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-    ) -> None:
-        """Stores fresh `k`, `v` `[b, kv_heads, n, head_dim]` at `positions` `[b, n]` of
-        cache rows `rows` `[b]`; entries where `valid` is false are left untouched."""
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Stores fresh `k`, `v` `[n, kv_heads, head_dim]` at pool rows `slots` `[n]`."""
 
-    def read(
-        self, layer: int, rows: torch.Tensor, length: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of cache rows `rows`, positions `[0, length)`."""
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The token-major K and V storage of `layer`: `[capacity, kv_heads, head_dim]`."""
         ...

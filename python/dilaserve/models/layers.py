@@ -1,22 +1,17 @@
 """Building blocks shared by every family: RMSNorm, RoPE, SwiGLU, and bidirectional
-attention with the three KV-cache modes of the worker's forward contract. Given a
+attention over packed rows, reading and writing the KV pool as a forward asks. Given a
 tensor-parallel group, attention holds the rank's heads and the MLP its slice of the inner
 width, each ending in one all-reduce (`parallel.RowParallelLinear`)."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .packed import PoolAccess, attend
 from .parallel import Collective, RowParallelLinear
-
-if TYPE_CHECKING:
-    from .kv_cache import KVCache
 
 
 class RMSNorm(nn.Module):
@@ -38,16 +33,17 @@ class RMSNorm(nn.Module):
 def rope_tables(
     positions: torch.Tensor, head_dim: int, theta: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 cos and sin `[b, 1, n, head_dim]` for per-row absolute `positions` `[b, n]`."""
+    """float32 cos and sin `[T, 1, head_dim]` for the absolute `positions` `[T]` of packed
+    tokens."""
     exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32)
     inv_freq = 1.0 / theta ** (exponents / head_dim)
-    angles = positions.float()[..., None] * inv_freq
+    angles = positions.float()[:, None] * inv_freq
     angles = torch.cat((angles, angles), dim=-1)[:, None]
     return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates `[b, heads, n, head_dim]` in float32 (half-split pairing, as HF Llama/Qwen2)."""
+    """Rotates `[T, heads, head_dim]` in float32 (half-split pairing, as HF Llama/Qwen2)."""
     xf = x.float()
     half = x.shape[-1] // 2
     rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
@@ -79,19 +75,6 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
-@dataclass(frozen=True)
-class CacheAccess:
-    """What a cached forward does with the KV pool: every layer writes the fresh K/V of
-    the valid fed tokens at `positions` of slots `rows`; with `read_len` set, attention
-    then runs over the slots' first `read_len` positions instead of the fed tokens."""
-
-    pool: KVCache
-    rows: torch.Tensor
-    positions: torch.Tensor
-    valid: torch.Tensor
-    read_len: int | None
-
-
 class Attention(nn.Module):
     """Bidirectional attention over this rank's heads: query heads and KV heads are split
     into contiguous ranges, so a rank's query heads read only its own KV heads (GQA groups
@@ -112,33 +95,22 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        key_mask: torch.Tensor | None,
+        lengths: tuple[int, ...],
         layer: int,
-        cache: CacheAccess | None,
+        cache: PoolAccess | None,
     ) -> torch.Tensor:
-        """`key_mask` `[b, 1, 1, keys]` is true for keys a row may attend to (None: all)."""
-        b, n, _ = x.shape
-        q = self.q(x).view(b, n, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        """`x` `[T, hidden]` packed rows of `lengths` tokens each."""
+        t = x.shape[0]
+        q = apply_rope(self.q(x).view(t, self.heads, self.head_dim), *rope)
+        k = apply_rope(self.k(x).view(t, self.kv_heads, self.head_dim), *rope)
+        v = self.v(x).view(t, self.kv_heads, self.head_dim)
+        pool = None
         if cache is not None:
-            cache.pool.write(layer, cache.rows, cache.positions, cache.valid, k, v)
-            if cache.read_len is not None:
-                k, v = cache.pool.read(layer, cache.rows, cache.read_len)
-                k, v = k.to(q.dtype), v.to(q.dtype)
-        k, v = expand_kv_heads(k, self.heads), expand_kv_heads(v, self.heads)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
-        return self.o(out.transpose(1, 2).reshape(b, n, self.heads * self.head_dim))
-
-
-def expand_kv_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """GQA: KV head j serves query heads `j*g .. j*g+g-1` (`repeat_interleave` order)."""
-    b, kv_heads, n, dim = x.shape
-    if kv_heads == heads:
-        return x
-    groups = heads // kv_heads
-    return x[:, :, None].expand(b, kv_heads, groups, n, dim).reshape(b, heads, n, dim)
+            if cache.slots is not None:
+                cache.pool.write(layer, cache.slots, k, v)
+            pool = cache.pool.layer(layer)
+        out = attend(q, k, v, lengths, pool, None if cache is None else cache.reads)
+        return self.o(out.reshape(t, self.heads * self.head_dim))
 
 
 class DecoderLayer(nn.Module):
@@ -158,9 +130,9 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        key_mask: torch.Tensor | None,
+        lengths: tuple[int, ...],
         layer: int,
-        cache: CacheAccess | None,
+        cache: PoolAccess | None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope, key_mask, layer, cache)
+        x = x + self.attn(self.attn_norm(x), rope, lengths, layer, cache)
         return x + self.mlp(self.mlp_norm(x))

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import CacheAccess, DecoderLayer, RMSNorm, rope_tables
+from .layers import DecoderLayer, RMSNorm, rope_tables
+from .packed import PackedBatch, PoolAccess
 from .parallel import Collective, Shard, VocabParallelEmbedding, check_degree
 
 if TYPE_CHECKING:
@@ -70,38 +71,50 @@ class DiffusionLM(nn.Module):
 
     def forward(
         self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        valid: torch.Tensor,
+        batch: PackedBatch | torch.Tensor,
+        positions: torch.Tensor | None = None,
+        valid: torch.Tensor | None = None,
         *,
         logits_index: torch.Tensor | None = None,
         cache: KVCache | None = None,
-        cache_rows: torch.Tensor | None = None,
+        cache_base: torch.Tensor | None = None,
         cache_mode: CacheAccessMode = "off",
         cache_len: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits `[b, m, local_vocab]` for the fed tokens `input_ids` `[b, n]` (the whole
-        vocabulary on one rank, the rank's shard under tensor parallelism).
+        """Logits `[rows, m, local_vocab]` (the whole vocabulary on one rank, the rank's
+        shard under tensor parallelism).
 
-        `positions` `[b, n]` are absolute sequence positions (RoPE and cache index); `valid`
-        `[b, n]` marks real entries. `"off"` attends among the row's valid fed tokens;
-        `"write"` does the same and stores every layer's K/V in slots `cache_rows`;
-        `"read"` stores them too, then attends over the slots' first `cache_len[i]`
-        positions. `logits_index` `[b, m]` picks which fed tokens get logits (all if None).
-        The model applies no logit shift: for Dream (`config.logit_shift == 1`) the caller
-        asks for the token before each position it wants predicted.
+        The worker passes a `PackedBatch` (and `cache` when it uses the KV pool). The
+        padded form — `input_ids` `[b, n]` with absolute `positions` and a right-padding
+        `valid` mask, `logits_index` `[b, m]` into each row's fed tokens — is packed first:
+        `"write"` stores every layer's K/V at pool rows `cache_base[i] + position`,
+        `"read"` does so too and then attends over pool rows `cache_base[i] +
+        [0, cache_len[i])`. The model applies no logit shift: for Dream
+        (`config.logit_shift == 1`) the caller asks for the token before each position it
+        wants predicted.
         """
-        access, key_mask = self._attention_inputs(
-            input_ids, positions, valid, cache, cache_rows, cache_mode, cache_len
+        if isinstance(batch, PackedBatch):
+            return self._forward_packed(batch, cache)
+        if positions is None or valid is None:
+            raise ValueError("a padded forward needs positions and valid")
+        packed = pack_padded(
+            batch, positions, valid, logits_index, cache_mode, cache_base, cache_len
         )
-        x = self.embed(input_ids)
+        return self._forward_packed(packed, None if cache_mode == "off" else cache)
+
+    def _forward_packed(self, batch: PackedBatch, cache: KVCache | None) -> torch.Tensor:
+        if batch.uses_pool and cache is None:
+            raise ValueError("a forward that writes or reads the KV pool needs the pool")
+        access = (
+            PoolAccess(cache, batch.cache_slots, batch.cache_reads) if batch.uses_pool else None
+        )
+        x = self.embed(batch.ids)
         if self.config.input_scale != 1.0:
             x = x * self.config.input_scale
-        rope = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
+        rope = rope_tables(batch.positions, self.config.head_dim, self.config.rope_theta)
         for index, layer in enumerate(self.layers):
-            x = layer(x, rope, key_mask, index, access)
-        if logits_index is not None:
-            x = x.gather(1, logits_index[..., None].expand(-1, -1, x.shape[-1]))
+            x = layer(x, rope, batch.lengths, index, access)
+        x = x[None] if batch.logits_index is None else x[batch.logits_index]
         return self._logits(self.norm(x))
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -114,48 +127,46 @@ class DiffusionLM(nn.Module):
             logits = logits * self.config.logit_scale
         return logits
 
-    def _attention_inputs(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        valid: torch.Tensor,
-        cache: KVCache | None,
-        cache_rows: torch.Tensor | None,
-        cache_mode: CacheAccessMode,
-        cache_len: torch.Tensor | None,
-    ) -> tuple[CacheAccess | None, torch.Tensor | None]:
-        """The cache access of this forward and the boolean key mask `[b, 1, 1, keys]`."""
-        if input_ids.dim() != 2 or positions.shape != input_ids.shape:
-            raise ValueError(
-                f"input_ids and positions must both be [b, n]; got {tuple(input_ids.shape)} "
-                f"and {tuple(positions.shape)}"
-            )
-        if valid.shape != input_ids.shape or valid.dtype != torch.bool:
-            raise ValueError(f"valid must be a bool [b, n] tensor; got {valid.dtype} {valid.shape}")
-        if cache_mode == "off":
-            return None, _key_mask(valid[:, None, None, :])
-        if cache_mode not in ("write", "read"):
-            raise ValueError(f"cache_mode must be 'off', 'write' or 'read', not {cache_mode!r}")
-        if cache is None or cache_rows is None:
-            raise ValueError(f"cache_mode={cache_mode!r} needs cache and cache_rows")
-        if cache_mode == "write":
-            return CacheAccess(cache, cache_rows, positions, valid, None), _key_mask(
-                valid[:, None, None, :]
-            )
+
+def pack_padded(
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    valid: torch.Tensor,
+    logits_index: torch.Tensor | None,
+    cache_mode: CacheAccessMode,
+    cache_base: torch.Tensor | None,
+    cache_len: torch.Tensor | None,
+) -> PackedBatch:
+    """The packed batch of a padded forward: each row's valid tokens, in order."""
+    if input_ids.dim() != 2 or positions.shape != input_ids.shape:
+        raise ValueError(
+            f"input_ids and positions must both be [b, n]; got {tuple(input_ids.shape)} "
+            f"and {tuple(positions.shape)}"
+        )
+    if valid.shape != input_ids.shape or valid.dtype != torch.bool:
+        raise ValueError(f"valid must be a bool [b, n] tensor; got {valid.dtype} {valid.shape}")
+    b, n = input_ids.shape
+    # A row of pure padding feeds its first token: its logits are meaningless but finite
+    # and never mix into other rows.
+    valid = valid | (~valid.any(dim=1, keepdim=True) & (torch.arange(n, device=valid.device) == 0))
+    lengths = valid.sum(dim=1)
+    if logits_index is None:
+        logits_index = torch.arange(n, device=input_ids.device).expand(b, n)
+    # Packed index of each padded column: its rank among the row's valid columns (a
+    # padding column maps to the valid one before it, or the row's first).
+    rank = (valid.cumsum(dim=1) - 1).clamp(min=0)
+    index = (torch.cumsum(lengths, 0) - lengths)[:, None] + rank.gather(1, logits_index)
+    slots = reads = None
+    if cache_mode not in ("off", "write", "read"):
+        raise ValueError(f"cache_mode must be 'off', 'write' or 'read', not {cache_mode!r}")
+    if cache_mode != "off":
+        if cache_base is None:
+            raise ValueError(f"cache_mode={cache_mode!r} needs cache and cache_base")
+        slots = (cache_base[:, None] + positions)[valid]
+    if cache_mode == "read":
         if cache_len is None:
             raise ValueError("cache_mode='read' needs cache_len")
-        length = int(cache_len.max())
-        keys = torch.arange(length, device=cache_len.device)[None, :] < cache_len[:, None]
-        return CacheAccess(cache, cache_rows, positions, valid, length), _key_mask(
-            keys[:, None, None, :]
-        )
-
-
-def _key_mask(mask: torch.Tensor) -> torch.Tensor | None:
-    """The attention mask for `mask` `[b, 1, 1, keys]`: None when every key is visible (the
-    unmasked attention path is faster). A row with no key at all (pure padding) attends to
-    every key instead of producing NaN; its outputs are meaningless but finite and never mix
-    into other rows."""
-    if bool(mask.all()):
-        return None
-    return mask | ~mask.any(dim=-1, keepdim=True)
+        reads = tuple(zip(cache_base.tolist(), cache_len.tolist(), strict=True))  # type: ignore[union-attr]
+    return PackedBatch(
+        input_ids[valid], positions[valid], tuple(lengths.tolist()), index, slots, reads
+    )

@@ -8,6 +8,7 @@ import logging
 import sys
 
 from dilaserve.protocol import CacheMode
+from dilaserve.worker.kv_cache import parse_kv_memory
 from dilaserve.worker.process import WorkerSettings, serve
 
 
@@ -18,7 +19,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker-id", type=int, required=True, help="unique per process start")
     p.add_argument("--model", required=True, help="checkpoint directory")
     p.add_argument("--cache", choices=[m.value for m in CacheMode], default="dual")
-    p.add_argument("--max-requests", type=int, default=64, help="KV-cache slots")
+    p.add_argument(
+        "--max-requests", type=int, default=64, help="resident requests the KV pool is sized for"
+    )
+    p.add_argument(
+        "--kv-cache-memory",
+        type=parse_kv_memory,
+        default=None,
+        help="KV pool size: bytes (8GiB) or a fraction of free device memory (0.5)",
+    )
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
@@ -41,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
             model=args.model,
             cache=CacheMode(args.cache),
             max_requests=args.max_requests,
+            kv_cache_memory=args.kv_cache_memory,
             dtype=args.dtype,
             device=args.device,
             threads=args.threads,

@@ -21,7 +21,11 @@ class MigrationError(WorkerError):
 
 
 class CacheFullError(WorkerError):
-    """Every KV slot of this worker is in use."""
+    """The KV pool has too few free tokens for a request."""
+
+
+class CacheSlotError(WorkerError, KeyError):
+    """A KV extent was named that the pool does not hold (unknown id, double free)."""
 
 
 class GroupLostError(WorkerError):

@@ -22,15 +22,14 @@ from dilaserve.worker.tp_group import TensorParallelGroup
 log = logging.getLogger(__name__)
 
 
-def make_pool(model: DiffusionLM, slots: int, max_len: int) -> KVCachePool | None:
-    """The KV pool of this rank's heads (None for 0 slots: an instance without a cache)."""
-    if slots <= 0:
+def make_pool(model: DiffusionLM, capacity: int) -> KVCachePool | None:
+    """The KV pool of this rank's heads (None for 0 tokens: an instance without a cache)."""
+    if capacity <= 0:
         return None
     return KVCachePool(
         num_layers=model.config.num_layers,
-        num_slots=slots,
+        capacity=capacity,
         num_kv_heads=model.local_kv_heads,
-        max_len=max_len,
         head_dim=model.config.head_dim,
         dtype=model.dtype,
         device=model.device,
@@ -49,9 +48,14 @@ def follow(model: DiffusionLM, group: TensorParallelGroup) -> None:
             return
         if message.op is PlanOp.POOL:
             pool = None  # free the old pool before allocating the new one
-            pool = make_pool(model, message.pool_slots, message.pool_len)
+            pool = make_pool(model, message.pool_capacity)
             continue
-        logits = forward_logits(model, pool, message.groups)
+        if message.op is PlanOp.MOVE:
+            if pool is not None:
+                pool.apply_moves(list(message.moves))
+            continue
+        assert message.batch is not None
+        logits = forward_logits(model, pool, message.batch)
         group.gather_partials(vocab_partials(logits, model.vocab_offset))
         steps += 1
 

@@ -1,70 +1,220 @@
-"""Per-request K/V slots for approximate KV caching (Fast-dLLM prefix / dual cache).
+"""The KV pool for approximate KV caching (Fast-dLLM prefix / dual cache), sized by a
+memory budget and allocated by tokens.
 
-Every request that runs with a cache owns one slot for its whole life on this worker. A
-slot holds, per layer, K and V for every position of the request's sequence. Batch rows are
-mapped to slots explicitly (`rows`), and writes go to per-row positions, so rows of
-different lengths and step kinds never touch each other's entries.
+Storage is token-major: per layer, K and V are `[capacity, kv_heads, head_dim]`, and a
+request owns one contiguous extent of exactly its sequence length (prompt + padded
+output, fixed at admission). Contiguity is what lets attention read a request's cache as a
+view of the pool with no gather; fragmentation is undone by compaction (moving extents
+down, rarely and only when a request would not otherwise fit), so the pool holds any set of
+requests whose tokens add up to its capacity — the number the scheduler admits against.
 """
 
 from __future__ import annotations
 
+import bisect
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
-from dilaserve.kernels import gather_kv, scatter_kv
-from dilaserve.worker.errors import CacheFullError
+from dilaserve.kernels import scatter_kv
+from dilaserve.worker.errors import CacheFullError, CacheSlotError
+
+#: Share of the free device memory the pool takes when no budget is given: most of a GPU
+#: (the weights are already loaded), a modest part of a host's RAM.
+DEFAULT_FRACTION = {"cuda": 0.9, "cpu": 0.25}
+
+
+@dataclass(frozen=True)
+class Move:
+    """An extent moved by compaction: `length` rows from `src` to `dst` (`dst < src`)."""
+
+    src: int
+    dst: int
+    length: int
+
+
+def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """K and V of one token across every layer."""
+    return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+
+
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+
+
+def parse_kv_memory(text: str) -> int | float:
+    """A `--kv-cache-memory` value: a fraction of free device memory (`0.5`), or bytes
+    (`2000000000`, `512MiB`, `8GiB`, `4G`)."""
+    spec = text.strip().lower().removesuffix("b")
+    number = spec.rstrip("kmgi")
+    unit = spec[len(number) :]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or value <= 0 or ("." in number and not unit and value > 1):
+        raise ValueError(
+            f"KV-cache memory {text!r} is neither a fraction in (0, 1] nor a byte count "
+            "such as 8GiB"
+        )
+    if not unit and "." in number:
+        return value
+    return int(value * _UNITS[unit])
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free on `device`: the CUDA allocator's view, or the host's available RAM."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def budget_tokens(
+    budget: int | float | None, per_token: int, device: torch.device, *, most: int
+) -> int:
+    """Tokens the pool holds: `budget` bytes (an int), a fraction of free device memory (a
+    float in (0, 1]), or by default `DEFAULT_FRACTION` of it — never more than `most`, the
+    tokens the instance's request limit can ever use."""
+    if isinstance(budget, bool) or (budget is not None and budget <= 0):
+        raise ValueError(f"KV-cache memory must be positive bytes or a fraction, got {budget!r}")
+    if isinstance(budget, float):
+        if budget > 1.0:
+            raise ValueError(f"a KV-cache memory fraction must lie in (0, 1], got {budget}")
+        budget = int(budget * free_memory(device))
+    elif budget is None:
+        budget = int(DEFAULT_FRACTION.get(device.type, 0.25) * free_memory(device))
+    return min(budget // per_token, most)
 
 
 class KVCachePool:
-    """K/V storage of shape `[slots, kv_heads, max_len, head_dim]` per layer; implements
-    `models.kv_cache.KVCache`, the interface the model layers use."""
+    """Token-major K/V of `capacity` tokens per layer; implements `models.kv_cache.KVCache`.
+
+    Requests are named by id: `allocate(rid, tokens)` gives request `rid` an extent, `base`
+    says where it starts, `free` returns it. An unknown or doubly freed id is a
+    `CacheSlotError`, a request that cannot fit a `CacheFullError`. `on_move` (optional) is
+    told of every compaction move before it is applied (tensor-parallel rank 0 forwards them
+    to the other ranks' pools)."""
 
     def __init__(
         self,
         num_layers: int,
-        num_slots: int,
+        capacity: int,
         num_kv_heads: int,
-        max_len: int,
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        *,
+        on_move: Callable[[list[Move]], None] | None = None,
     ) -> None:
-        shape = (num_slots, num_kv_heads, max_len, head_dim)
+        if capacity <= 0:
+            raise ValueError(f"a KV pool needs a positive capacity, got {capacity} tokens")
+        shape = (capacity, num_kv_heads, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.max_len = max_len
-        self._free = list(range(num_slots - 1, -1, -1))
+        self.capacity = capacity
+        self.bytes_per_token = bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
+        self.on_move = on_move
+        self._extents: dict[int, tuple[int, int]] = {}  # request id -> (start, length)
+        self._free: list[tuple[int, int]] = [(0, capacity)]  # sorted (start, length) holes
+        self.compactions = 0
+
+    # -- allocation ----------------------------------------------------------------------
 
     @property
-    def free_slots(self) -> int:
-        return len(self._free)
+    def free_tokens(self) -> int:
+        return sum(length for _, length in self._free)
 
-    def allocate(self) -> int:
-        if not self._free:
-            raise CacheFullError("no free KV-cache slot; raise num_slots or admit fewer requests")
-        return self._free.pop()
+    def allocate(self, request_id: int, tokens: int) -> int:
+        """Reserves `tokens` contiguous rows for `request_id`; returns the first row."""
+        if request_id in self._extents:
+            raise CacheSlotError(f"request {request_id} already holds a KV extent")
+        if tokens <= 0:
+            raise ValueError(f"a KV extent needs a positive length, got {tokens}")
+        if tokens > self.free_tokens:
+            raise CacheFullError(
+                f"request {request_id} needs {tokens} KV tokens, {self.free_tokens} of "
+                f"{self.capacity} are free; raise --kv-cache-memory or admit fewer requests"
+            )
+        hole = self._best_fit(tokens)
+        if hole is None:
+            self._compact()
+            hole = len(self._free) - 1  # compaction leaves one hole, at the end
+        start, length = self._free[hole]
+        if length == tokens:
+            del self._free[hole]
+        else:
+            self._free[hole] = (start + tokens, length - tokens)
+        self._extents[request_id] = (start, tokens)
+        return start
 
-    def free(self, slot: int) -> None:
-        self._free.append(slot)
+    def free(self, request_id: int) -> None:
+        """Returns `request_id`'s extent; freeing one it does not hold is an error."""
+        try:
+            start, length = self._extents.pop(request_id)
+        except KeyError:
+            raise CacheSlotError(f"request {request_id} holds no KV extent") from None
+        at = bisect.bisect(self._free, (start, length))
+        self._free.insert(at, (start, length))
+        self._merge(at)
 
-    def write(
-        self,
-        layer: int,
-        rows: torch.Tensor,
-        positions: torch.Tensor,
-        valid: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-    ) -> None:
-        """Stores fresh `k`, `v` `[b, kv_heads, n, head_dim]` at `positions` `[b, n]` of slots
-        `rows` `[b]`; entries where `valid` `[b, n]` is false are left untouched."""
-        scatter_kv(self.keys[layer], rows, positions, valid, k)
-        scatter_kv(self.values[layer], rows, positions, valid, v)
+    def base(self, request_id: int) -> int:
+        """First pool row of `request_id`'s extent (its position 0)."""
+        try:
+            return self._extents[request_id][0]
+        except KeyError:
+            raise CacheSlotError(f"request {request_id} holds no KV extent") from None
 
-    def read(
-        self, layer: int, rows: torch.Tensor, length: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of slots `rows`, positions `[0, length)`: `[b, kv_heads, length, head_dim]`."""
-        return (
-            gather_kv(self.keys[layer], rows, length),
-            gather_kv(self.values[layer], rows, length),
-        )
+    def extent(self, request_id: int) -> tuple[int, int]:
+        """(first row, length) of `request_id`'s extent."""
+        self.base(request_id)
+        return self._extents[request_id]
+
+    def _best_fit(self, tokens: int) -> int | None:
+        fits = [(length, i) for i, (_, length) in enumerate(self._free) if length >= tokens]
+        return min(fits)[1] if fits else None
+
+    def _merge(self, at: int) -> None:
+        """Joins hole `at` with its neighbours where they touch."""
+        for i in (at, at - 1):
+            if 0 <= i < len(self._free) - 1:
+                (s0, n0), (s1, n1) = self._free[i], self._free[i + 1]
+                if s0 + n0 == s1:
+                    self._free[i : i + 2] = [(s0, n0 + n1)]
+
+    def _compact(self) -> None:
+        """Slides every extent down to close the holes between them."""
+        moves: list[Move] = []
+        cursor = 0
+        for rid, (start, length) in sorted(self._extents.items(), key=lambda kv: kv[1][0]):
+            if start != cursor:
+                moves.append(Move(start, cursor, length))
+                self._extents[rid] = (cursor, length)
+            cursor += length
+        if self.on_move is not None:
+            self.on_move(moves)
+        self.apply_moves(moves)
+        self._free = [(cursor, self.capacity - cursor)] if cursor < self.capacity else []
+        self.compactions += 1
+
+    def apply_moves(self, moves: list[Move]) -> None:
+        """Copies the rows of every move, in order (each moves down, so earlier moves never
+        overwrite rows a later one still reads)."""
+        for move in moves:
+            src = slice(move.src, move.src + move.length)
+            dst = slice(move.dst, move.dst + move.length)
+            for tensor in (*self.keys, *self.values):
+                tensor[dst] = (
+                    tensor[src].clone() if move.src - move.dst < move.length else tensor[src]
+                )
+
+    # -- the interface the layers use ----------------------------------------------------
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Stores fresh `k`, `v` `[n, kv_heads, head_dim]` at pool rows `slots` `[n]`."""
+        scatter_kv(self.keys[layer], slots, k)
+        scatter_kv(self.values[layer], slots, v)
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole K and V storage of `layer`, `[capacity, kv_heads, head_dim]`."""
+        return self.keys[layer], self.values[layer]

@@ -68,6 +68,8 @@ class WorkerSettings:
     tp: int = 1
     rank: int = 0
     dist_init: str | None = None
+    #: KV pool budget: bytes, a fraction of free device memory, or None for the default.
+    kv_cache_memory: int | float | None = None
 
 
 def execute(runner: StepRunner, command: StepCommand) -> StepReport:
@@ -127,7 +129,12 @@ def serve(settings: WorkerSettings) -> int:
         if group is not None and group.rank > 0:
             follow(model, group)
             return 0
-        runner = StepRunner(model, cache=settings.cache, max_requests=settings.max_requests)
+        runner = StepRunner(
+            model,
+            cache=settings.cache,
+            max_requests=settings.max_requests,
+            kv_cache_memory=settings.kv_cache_memory,
+        )
         try:
             return _serve_engine(settings, runner)
         finally:
@@ -158,7 +165,6 @@ def _serve_engine(settings: WorkerSettings, runner: StepRunner) -> int:
     socket.setsockopt(zmq.IDENTITY, str(settings.worker_id).encode())
     socket.setsockopt(zmq.LINGER, 1000)
     socket.connect(settings.endpoint)
-    kv = None if runner.pool is None else settings.max_requests * runner.max_seq_len
     socket.send(
         encode(
             WorkerReady(
@@ -167,7 +173,7 @@ def _serve_engine(settings: WorkerSettings, runner: StepRunner) -> int:
                 pid=os.getpid(),
                 cache=runner.cache_mode,
                 max_requests=settings.max_requests,
-                kv_tokens=kv,
+                kv_tokens=runner.kv_tokens,
                 max_seq_len=runner.max_seq_len,
                 vocab_size=model.config.vocab_size,
                 device=str(runner.device),

@@ -10,14 +10,21 @@ The runner decides nothing: the engine says which requests step, with which τ a
 step kind. A recompute step may start mid-block: it rebuilds the request's K/V from its
 current tokens, which is how a request resumes on an instance that never held its cache.
 
+A step is one packed model call over every row (`models.packed`): fed tokens are
+concatenated, not padded, and the index tensors are built once per step from the host-side
+token state, so the step path has no per-row device work and one device read (the
+committed tokens). With a cache, each request holds a contiguous extent of the KV pool,
+sized by a memory budget and allocated by tokens (`kv_cache`).
+
 On a tensor-parallel instance this runner lives on rank 0: it broadcasts each step's model
-calls as a packed plan (`step_plan`), every rank runs them on its shard, and the commit
+call as a packed plan (`step_plan`), every rank runs it on its shard, and the commit
 combines the ranks' vocabulary partials instead of logits (`follower`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -25,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from dilaserve.kernels import confidence_commit, threshold_commit
+from dilaserve.models.packed import PackedBatch
 from dilaserve.protocol import (
     CacheMode,
     RequestState,
@@ -41,19 +49,20 @@ from dilaserve.worker.errors import (
     StepRejectedError,
 )
 from dilaserve.worker.follower import make_pool, vocab_parallel_scores
-from dilaserve.worker.forward import ForwardGroup, forward_logits
-from dilaserve.worker.kv_cache import KVCachePool
+from dilaserve.worker.forward import forward_logits
+from dilaserve.worker.kv_cache import budget_tokens, bytes_per_token
 from dilaserve.worker.tp_group import TensorParallelGroup
 
 
 @dataclass
 class _Held:
-    """A request resident on this runner: its state plus device-side tokens and KV slot."""
+    """A request resident on this runner: its state, its tokens, whether it holds a KV
+    extent, and whether that extent holds K/V a cache step may read."""
 
     state: RequestState
-    tokens: torch.Tensor  # prompt + output ids, 1-D, on the model's device
-    slot: int | None
-    # The slot holds K/V of the current block's recompute step: a cache step may read it.
+    tokens: list[int]  # prompt + output ids
+    extent: bool
+    # The extent holds K/V of the current block's recompute step: a cache step may read it.
     cache_valid: bool = False
 
     @property
@@ -75,7 +84,11 @@ class StepRunner:
         cache: CacheMode | str = CacheMode.NONE,
         max_requests: int = 64,
         max_seq_len: int | None = None,
+        kv_cache_memory: int | float | None = None,
     ) -> None:
+        """`kv_cache_memory` sizes the KV pool: bytes (int), a fraction of free device
+        memory (float), or None for `kv_cache.DEFAULT_FRACTION`; the pool never holds
+        more than `max_requests` sequences of `max_seq_len` tokens."""
         self.model = model
         self.config = model.config
         self.device = next(model.parameters()).device
@@ -86,12 +99,33 @@ class StepRunner:
             raise TypeError("a tensor-parallel runner needs a model built with a worker group")
         if self.group is not None and self.group.rank != 0:
             raise ValueError("only rank 0 runs steps; the other ranks follow its plans")
-        slots = 0 if self.cache_mode is CacheMode.NONE else max_requests
+        capacity = 0
+        if self.cache_mode is not CacheMode.NONE:
+            per_token = bytes_per_token(
+                self.config.num_layers, model.local_kv_heads, self.config.head_dim, model.dtype
+            )
+            capacity = budget_tokens(
+                kv_cache_memory, per_token, self.device, most=max_requests * self.max_seq_len
+            )
+            if capacity < 1:
+                raise ValueError(
+                    f"a KV-cache budget of {kv_cache_memory!r} holds no token "
+                    f"({per_token} bytes each)"
+                )
+            self.max_seq_len = min(self.max_seq_len, capacity)
         if self.group is not None:
-            self.group.send_pool(slots, self.max_seq_len)
-        self.pool: KVCachePool | None = make_pool(model, slots, self.max_seq_len)
+            self.group.send_pool(capacity)
+        self.pool = make_pool(model, capacity)
+        if self.pool is not None and self.group is not None:
+            self.pool.on_move = self.group.send_moves
         self._held: dict[int, _Held] = {}
         self.forward_tokens = 0
+
+    @property
+    def kv_tokens(self) -> int | None:
+        """Sequence tokens the KV pool holds (None without a cache): what the scheduler
+        admits against."""
+        return None if self.pool is None else self.pool.capacity
 
     # -- residency -----------------------------------------------------------------------
 
@@ -122,9 +156,10 @@ class StepRunner:
         vocab = self.config.vocab_size
         if any(not 0 <= t < vocab for t in state.prompt_ids + state.output_ids):
             raise TokenStateError(f"request {rid}: token id outside the vocabulary [0, {vocab})")
-        tokens = torch.tensor(state.prompt_ids + state.output_ids, device=self.device)
-        slot = self.pool.allocate() if self.pool is not None else None
-        self._held[rid] = _Held(state=state.copy(), tokens=tokens, slot=slot)
+        if self.pool is not None:
+            self.pool.allocate(rid, state.seq_length)
+        tokens = state.prompt_ids + state.output_ids
+        self._held[rid] = _Held(state.copy(), tokens, extent=self.pool is not None)
 
     def state(self, request_id: int) -> RequestState:
         """A copy of a resident request's current token state."""
@@ -150,13 +185,17 @@ class StepRunner:
         return self.release(request_id)
 
     def release(self, request_id: int) -> RequestState:
-        """Drops a request (finished, cancelled or migrating) and frees its KV slot."""
+        """Drops a request (finished, cancelled or migrating) and frees its KV extent."""
         held = self._held.pop(request_id, None)
         if held is None:
             raise RequestNotHeldError(request_id)
-        if held.slot is not None and self.pool is not None:
-            self.pool.free(held.slot)
+        self._free_extent(request_id, held)
         return held.state
+
+    def _free_extent(self, request_id: int, held: _Held) -> None:
+        if held.extent and self.pool is not None:
+            self.pool.free(request_id)
+            held.extent = False
 
     def _get(self, request_id: int) -> _Held:
         try:
@@ -172,35 +211,17 @@ class StepRunner:
         started = time.perf_counter()
         held = self._check_batch(batch)
         kinds = [e.kind for e in batch]
-        full = [i for i, k in enumerate(kinds) if k is not StepKind.CACHE]
-        cached = [i for i, k in enumerate(kinds) if k is StepKind.CACHE]
-        order = full + cached
-        groups: list[ForwardGroup] = []
-        fed = 0
-        if full:
-            group, group_fed = self._full_inputs(
-                [held[i] for i in full], write_cache=self.pool is not None
-            )
-            groups.append(group)
-            fed += group_fed
-        if cached:
-            group, group_fed = self._cached_inputs([held[i] for i in cached])
-            groups.append(group)
-            fed += group_fed
-        ordered = [held[i] for i in order]
-        tau = torch.tensor([batch[i].tau for i in order], dtype=torch.float32, device=self.device)
+        packed = self._pack(held, kinds)
+        tau = torch.tensor([e.tau for e in batch], dtype=torch.float32).to(self.device)
         with self._group_fatal():
             if self.group is not None:
-                self.group.send_step(groups)
-            logits = forward_logits(self.model, self.pool, groups)
-            outputs = self._commit(ordered, [kinds[i] for i in order], logits, tau)
+                self.group.send_step(packed)
+            logits = forward_logits(self.model, self.pool, packed)
+            outputs = self._commit(batch, held, logits, tau)
+        fed = packed.ids.numel()
         self.forward_tokens += fed
-        by_id = {o.request_id: o for o in outputs}
         return StepReport(
-            step=0,
-            outputs=[by_id[e.request_id] for e in batch],
-            forward_tokens=fed,
-            seconds=time.perf_counter() - started,
+            step=0, outputs=outputs, forward_tokens=fed, seconds=time.perf_counter() - started
         )
 
     def check_entry(self, entry: StepEntry) -> None:
@@ -246,127 +267,121 @@ class StepRunner:
         except Exception as exc:
             raise GroupLostError(f"rank 0 failed mid-step: {type(exc).__name__}: {exc}") from exc
 
-    def _full_inputs(self, rows: list[_Held], *, write_cache: bool) -> tuple[ForwardGroup, int]:
-        """No-cache or recompute step: every position of each row goes through the model."""
-        lengths = [h.state.seq_length for h in rows]
-        ids, positions, valid = self._pack([h.tokens for h in rows], [0] * len(rows), lengths)
-        starts = torch.tensor([h.block_start for h in rows], device=self.device)
-        logits_index = self._block_index(rows, starts - self.config.logit_shift)
-        group = ForwardGroup(ids, positions, valid, logits_index)
-        if write_cache:
-            group.cache_mode, group.cache_rows = "write", self._slots(rows)
-        return group, sum(lengths)
-
-    def _cached_inputs(self, rows: list[_Held]) -> tuple[ForwardGroup, int]:
-        """Cache step: the block (dual) or block + suffix (prefix) over stored K/V.
-
-        A model whose logits are shifted (Dream) also needs the hidden state of the position
-        before the block, so that one position is fed as well.
-        """
-        shift = self.config.logit_shift
-        begins = [h.block_start - shift for h in rows]
+    def _window(self, h: _Held, kind: StepKind) -> tuple[int, int]:
+        """The sequence positions `[begin, end)` a row feeds: all of them for a full step;
+        for a cache step the block (dual) or block + suffix (prefix). A model whose logits
+        are shifted (Dream) also needs the hidden state of the position before the block."""
+        if kind is not StepKind.CACHE:
+            return 0, h.state.seq_length
+        begin = h.block_start - self.config.logit_shift
         if self.cache_mode is CacheMode.DUAL:
-            ends = [h.block_start + h.state.block_length for h in rows]
-        else:
-            ends = [h.state.seq_length for h in rows]
-        ids, positions, valid = self._pack(
-            [h.tokens for h in rows], begins, [e - b for b, e in zip(begins, ends, strict=True)]
+            return begin, h.block_start + h.state.block_length
+        return begin, h.state.seq_length
+
+    def _pack(self, rows: list[_Held], kinds: list[StepKind]) -> PackedBatch:
+        """The step's one packed model call: every row's window, concatenated."""
+        windows = [self._window(h, k) for h, k in zip(rows, kinds, strict=True)]
+        lengths = [e - b for b, e in windows]
+        starts = list(itertools.accumulate(lengths, initial=0))
+        ids = list(
+            itertools.chain.from_iterable(
+                h.tokens[b:e] for h, (b, e) in zip(rows, windows, strict=True)
+            )
         )
-        zeros = torch.zeros(len(rows), dtype=torch.long, device=self.device)
-        lengths = torch.tensor([h.state.seq_length for h in rows], device=self.device)
-        group = ForwardGroup(
-            ids,
-            positions,
-            valid,
-            self._block_index(rows, zeros),
-            cache_mode="read",
-            cache_rows=self._slots(rows),
-            cache_len=lengths,
+        # Fed token t of row i sits at position begin_i + (t - start_i).
+        shift = torch.tensor([b - s for (b, _), s in zip(windows, starts, strict=False)])
+        positions = torch.repeat_interleave(shift, torch.tensor(lengths)) + torch.arange(starts[-1])
+        # Block column j of row i is fed token start_i + (block_start_i - shift - begin_i) + j.
+        sizes = [h.state.block_length for h in rows]
+        first = [
+            s + h.block_start - self.config.logit_shift - b
+            for h, s, (b, _) in zip(rows, starts, windows, strict=False)
+        ]
+        columns = torch.arange(max(sizes))[None, :]
+        index = torch.tensor(first)[:, None] + torch.minimum(
+            columns, torch.tensor(sizes)[:, None] - 1
         )
-        return group, int(valid.sum())
-
-    def _pack(
-        self, tokens: list[torch.Tensor], begins: list[int], lengths: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Right-padded `[b, n]` ids, absolute positions and validity of per-row windows."""
-        n = max(lengths)
-        ids = torch.full(
-            (len(tokens), n), self.config.pad_token_id, dtype=torch.long, device=self.device
+        slots = reads = None
+        if self.pool is not None:
+            bases = [self.pool.base(h.state.request_id) for h in rows]
+            slots = positions + torch.repeat_interleave(torch.tensor(bases), torch.tensor(lengths))
+            slots = slots.to(self.device, non_blocking=True)
+            reads = tuple((base, h.state.seq_length) for base, h in zip(bases, rows, strict=True))
+        return PackedBatch(
+            torch.tensor(ids).to(self.device, non_blocking=True),
+            positions.to(self.device, non_blocking=True),
+            tuple(lengths),
+            index.to(self.device, non_blocking=True),
+            slots,
+            reads,
         )
-        for i, (t, b, length) in enumerate(zip(tokens, begins, lengths, strict=True)):
-            ids[i, :length] = t[b : b + length]
-        offsets = torch.arange(n, device=self.device)
-        valid = offsets[None, :] < torch.tensor(lengths, device=self.device)[:, None]
-        begin = torch.tensor(begins, device=self.device)[:, None]
-        positions = torch.where(valid, begin + offsets[None, :], 0)
-        return ids, positions, valid
-
-    def _block_index(self, rows: list[_Held], first: torch.Tensor) -> torch.Tensor:
-        """`[b, Bmax]` indices of each row's block among its fed tokens, starting at `first`.
-
-        Rows with a shorter block repeat their last index; those columns are never candidates.
-        """
-        sizes = torch.tensor([h.state.block_length for h in rows], device=self.device)
-        offsets = torch.arange(int(sizes.max()), device=self.device)[None, :]
-        return first[:, None] + torch.minimum(offsets, sizes[:, None] - 1)
-
-    def _slots(self, rows: list[_Held]) -> torch.Tensor:
-        return torch.tensor([h.slot for h in rows], device=self.device)
 
     def _commit(
-        self, rows: list[_Held], kinds: list[StepKind], logits: torch.Tensor, tau: torch.Tensor
+        self,
+        batch: Sequence[StepEntry],
+        rows: list[_Held],
+        logits: torch.Tensor,
+        tau: torch.Tensor,
     ) -> list[StepOutput]:
         width = logits.shape[1]
         mask_id = self.config.mask_token_id
-        starts = [h.block_start for h in rows]
-        sizes = [h.state.block_length for h in rows]
-        ids = torch.full((len(rows), width), mask_id, dtype=torch.long, device=self.device)
-        for i, (h, s, size) in enumerate(zip(rows, starts, sizes, strict=True)):
-            ids[i, :size] = h.tokens[s : s + size]
-        in_block = (
-            torch.arange(width, device=self.device)[None, :]
-            < torch.tensor(sizes, device=self.device)[:, None]
-        )
-        candidate = (ids == mask_id) & in_block
+        blocks = [h.tokens[h.block_start : h.block_start + h.state.block_length] for h in rows]
+        host_ids = torch.tensor([b + [mask_id] * (width - len(b)) for b in blocks])
+        sizes = torch.tensor([len(b) for b in blocks])
+        in_block = torch.arange(width)[None, :] < sizes[:, None]
+        ids = host_ids.to(self.device, non_blocking=True)
+        candidate = ((host_ids == mask_id) & in_block).to(self.device, non_blocking=True)
         if self.group is None:
             result = confidence_commit(logits, candidate, tau, ids)
         else:
             x0, confidence = vocab_parallel_scores(self.model, self.group, logits)  # type: ignore[arg-type]
             result = threshold_commit(x0, confidence, candidate, tau, ids)
-        committed = result.committed.tolist()
-        new_ids = ids.tolist()
-        stats = result.stats.tolist()
-        outputs = []
-        for i, h in enumerate(rows):
-            size = sizes[i]
-            h.tokens[starts[i] : starts[i] + size] = ids[i, :size]
-            state = h.state
-            out_start = starts[i] - state.prompt_length
-            positions = [out_start + j for j in range(size) if committed[i][j]]
-            tokens = [new_ids[i][j] for j in range(size) if committed[i][j]]
-            state.commit(out_start // size, positions, tokens)
-            block_open = state.block_steps != 0
-            # Every step writes the fed tokens' K/V; only a recompute step refreshes the rest
-            # of the sequence, which a cache step of the same block reads.
-            h.cache_valid = (
-                block_open
-                and kinds[i] is not StepKind.NO_CACHE
-                and (h.cache_valid or kinds[i] is StepKind.RECOMPUTE)
-            )
-            done = state.done
-            if done and h.slot is not None and self.pool is not None:
-                self.pool.free(h.slot)
-                h.slot = None
-            outputs.append(
-                StepOutput(
-                    request_id=state.request_id,
-                    kind=kinds[i],
-                    block=out_start // size,
-                    committed_positions=positions,
-                    committed_tokens=tokens,
-                    confidence_stats=tuple(stats[i]),  # type: ignore[arg-type]
-                    num_masked=state.num_masked,
-                    done=done,
-                )
-            )
-        return outputs
+        # The step's one device read: committed flags, new ids and statistics together.
+        host = torch.cat(
+            [result.committed.double(), ids.double(), result.stats.double()], dim=1
+        ).cpu()
+        committed = host[:, :width].bool().tolist()
+        new_ids = host[:, width : 2 * width].long().tolist()
+        stats = host[:, 2 * width :].tolist()
+        return [
+            self._advance(e, h, committed[i], new_ids[i], stats[i])
+            for i, (e, h) in enumerate(zip(batch, rows, strict=True))
+        ]
+
+    def _advance(
+        self,
+        entry: StepEntry,
+        h: _Held,
+        committed: list[bool],
+        new_ids: list[int],
+        stats: list[float],
+    ) -> StepOutput:
+        """Applies one row's commit to its host-side state (no device work)."""
+        state = h.state
+        size, start = state.block_length, h.block_start
+        out_start = start - state.prompt_length
+        picked = [j for j in range(size) if committed[j]]
+        tokens = [new_ids[j] for j in picked]
+        for j, token in zip(picked, tokens, strict=True):
+            h.tokens[start + j] = token
+        state.commit(out_start // size, [out_start + j for j in picked], tokens)
+        # Every step writes the fed tokens' K/V; only a recompute step refreshes the rest
+        # of the sequence, which a cache step of the same block reads.
+        h.cache_valid = (
+            state.block_steps != 0
+            and entry.kind is not StepKind.NO_CACHE
+            and (h.cache_valid or entry.kind is StepKind.RECOMPUTE)
+        )
+        done = state.done
+        if done:
+            self._free_extent(state.request_id, h)
+        return StepOutput(
+            request_id=state.request_id,
+            kind=entry.kind,
+            block=out_start // size,
+            committed_positions=[out_start + j for j in picked],
+            committed_tokens=tokens,
+            confidence_stats=tuple(stats),  # type: ignore[arg-type]
+            num_masked=state.num_masked,
+            done=done,
+        )

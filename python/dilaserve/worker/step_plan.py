@@ -1,6 +1,6 @@
 """The packed step plan rank 0 of a tensor-parallel instance broadcasts to the other
 ranks: a fixed-size int64 header saying what to do, then one int64 body holding every
-tensor of the step's model calls back to back.
+tensor of the step's model call back to back.
 
 Packed records rather than pickled objects: two broadcasts of flat tensors per step, no
 Python objects on the wire, and a receiver that knows the body's size from the header.
@@ -9,34 +9,41 @@ Python objects on the wire, and a receiver that knows the body's size from the h
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from dilaserve.worker.forward import ForwardGroup
+from dilaserve.models.packed import PackedBatch
+from dilaserve.worker.kv_cache import Move
 
-#: int64 slots of a header: op, group count, then (rows, fed width, logits width, cache
-#: access) per group.
-HEADER_LEN = 12
-MAX_GROUPS = 2
-_ACCESS = ("off", "write", "read")
+#: int64 slots of a header: op, then (rows, fed tokens, logits width, pool access) for a
+#: step, the capacity for a pool, the move count for a compaction.
+HEADER_LEN = 8
 
 
 class PlanOp(enum.IntEnum):
     """What the other ranks do next."""
 
-    STEP = 1  # run the step's model calls and contribute vocabulary partials
-    POOL = 2  # (re)allocate the KV pool: header holds slots, max length
+    STEP = 1  # run the step's model call and contribute vocabulary partials
+    POOL = 2  # (re)allocate the KV pool: header holds its capacity in tokens (0: none)
     STOP = 3  # leave the group
+    MOVE = 4  # apply a compaction of the KV pool: body holds (src, dst, length) triples
+
+
+class Access(enum.IntEnum):
+    """How a step's model call uses the KV pool."""
+
+    OFF = 0
+    WRITE = 1  # write the fed K/V, attend over the fed tokens
+    READ = 2  # write the fed K/V, attend over each row's pool extent
 
 
 @dataclass(frozen=True)
 class PlanMessage:
     op: PlanOp
-    groups: list[ForwardGroup]
-    pool_slots: int = 0
-    pool_len: int = 0
+    batch: PackedBatch | None = None
+    pool_capacity: int = 0
+    moves: tuple[Move, ...] = ()
 
 
 def header(op: PlanOp, *values: int) -> torch.Tensor:
@@ -46,67 +53,68 @@ def header(op: PlanOp, *values: int) -> torch.Tensor:
     return out
 
 
-def pack_step(groups: Sequence[ForwardGroup]) -> tuple[torch.Tensor, torch.Tensor]:
+def access_of(batch: PackedBatch) -> Access:
+    if batch.cache_reads is not None:
+        return Access.READ
+    return Access.WRITE if batch.cache_slots is not None else Access.OFF
+
+
+def pack_step(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """(header, body) of a step; both on the CPU."""
-    if not 0 < len(groups) <= MAX_GROUPS:
-        raise ValueError(f"a step has 1 to {MAX_GROUPS} model calls, got {len(groups)}")
-    shape: list[int] = [len(groups)]
-    parts: list[torch.Tensor] = []
-    for g in groups:
-        b, n = g.ids.shape
-        shape += [b, n, g.logits_index.shape[1], _ACCESS.index(g.cache_mode)]
-        parts += [g.ids, g.positions, g.valid, g.logits_index]
-        if g.cache_mode != "off":
-            parts.append(_required(g.cache_rows, "cache_rows"))
-        if g.cache_mode == "read":
-            parts.append(_required(g.cache_len, "cache_len"))
+    rows, tokens = len(batch.lengths), batch.ids.numel()
+    index = batch.logits_index
+    if index is None:
+        index = torch.arange(tokens)[None]
+    access = access_of(batch)
+    parts = [batch.ids, batch.positions, torch.tensor(batch.lengths), index]
+    if access is Access.READ and batch.cache_slots is None:
+        raise ValueError("a step that reads the KV pool also writes its fed tokens")
+    if access is not Access.OFF:
+        parts.append(batch.cache_slots)  # type: ignore[arg-type]
+    if access is Access.READ:
+        parts.append(torch.tensor(batch.cache_reads).reshape(-1))
     body = torch.cat([p.reshape(-1).to(device="cpu", dtype=torch.int64) for p in parts])
-    return header(PlanOp.STEP, *shape), body
+    return header(PlanOp.STEP, rows, tokens, index.shape[1], int(access)), body
+
+
+def pack_moves(moves: list[Move]) -> tuple[torch.Tensor, torch.Tensor]:
+    body = torch.tensor([(m.src, m.dst, m.length) for m in moves], dtype=torch.int64)
+    return header(PlanOp.MOVE, len(moves)), body.reshape(-1)
 
 
 def body_length(head: torch.Tensor) -> int:
     """int64 entries of the body that follows `head`."""
-    if PlanOp(int(head[0])) is not PlanOp.STEP:
+    op = PlanOp(int(head[0]))
+    if op is PlanOp.MOVE:
+        return 3 * int(head[1])
+    if op is not PlanOp.STEP:
         return 0
-    total = 0
-    for i in range(int(head[1])):
-        b, n, m, access = (int(x) for x in head[2 + 4 * i : 6 + 4 * i])
-        total += 3 * b * n + b * m + b * (access > 0) + b * (access == 2)
-    return total
+    rows, tokens, width, access = (int(x) for x in head[1:5])
+    return 2 * tokens + rows + rows * width + tokens * (access > 0) + 2 * rows * (access == 2)
 
 
 def unpack(head: torch.Tensor, body: torch.Tensor, device: torch.device) -> PlanMessage:
     """The message of a received (header, body), tensors on `device`."""
     op = PlanOp(int(head[0]))
     if op is PlanOp.POOL:
-        return PlanMessage(op, [], pool_slots=int(head[1]), pool_len=int(head[2]))
+        return PlanMessage(op, pool_capacity=int(head[1]))
+    if op is PlanOp.MOVE:
+        triples = body.view(-1, 3).tolist()
+        return PlanMessage(op, moves=tuple(Move(*t) for t in triples))
     if op is PlanOp.STOP:
-        return PlanMessage(op, [])
+        return PlanMessage(op)
+    rows, tokens, width, access = (int(x) for x in head[1:5])
+    lengths = body[2 * tokens : 2 * tokens + rows].tolist()
+    reads = None
+    if access == Access.READ:
+        flat = body[-2 * rows :].tolist()
+        reads = tuple(zip(flat[::2], flat[1::2], strict=True))
     body = body.to(device)
-    groups = []
-    at = 0
-
-    def take(count: int, shape: tuple[int, ...]) -> torch.Tensor:
-        nonlocal at
-        part = body[at : at + count].view(shape)
-        at += count
-        return part
-
-    for i in range(int(head[1])):
-        b, n, m, access = (int(x) for x in head[2 + 4 * i : 6 + 4 * i])
-        ids = take(b * n, (b, n))
-        positions = take(b * n, (b, n))
-        valid = take(b * n, (b, n)).bool()
-        index = take(b * m, (b, m))
-        rows = take(b, (b,)) if access > 0 else None
-        length = take(b, (b,)) if access == 2 else None
-        groups.append(
-            ForwardGroup(ids, positions, valid, index, _ACCESS[access], rows, length)  # type: ignore[arg-type]
-        )
-    return PlanMessage(op, groups)
-
-
-def _required(tensor: torch.Tensor | None, name: str) -> torch.Tensor:
-    if tensor is None:
-        raise ValueError(f"a cached model call needs {name}")
-    return tensor
+    at = 2 * tokens + rows
+    index = body[at : at + rows * width].view(rows, width)
+    at += rows * width
+    slots = body[at : at + tokens] if access > 0 else None
+    batch = PackedBatch(
+        body[:tokens], body[tokens : 2 * tokens], tuple(lengths), index, slots, reads
+    )
+    return PlanMessage(op, batch)

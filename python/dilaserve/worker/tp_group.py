@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import TypeVar
@@ -22,14 +22,16 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from dilaserve.models.packed import PackedBatch
 from dilaserve.worker.errors import GroupLostError
-from dilaserve.worker.forward import ForwardGroup
+from dilaserve.worker.kv_cache import Move
 from dilaserve.worker.step_plan import (
     HEADER_LEN,
     PlanMessage,
     PlanOp,
     body_length,
     header,
+    pack_moves,
     pack_step,
     unpack,
 )
@@ -130,12 +132,16 @@ class TensorParallelGroup:
 
     # -- the step plan (rank 0 sends, the others receive) --------------------------------
 
-    def send_step(self, groups: Sequence[ForwardGroup]) -> None:
-        self._send(*pack_step(groups))
+    def send_step(self, batch: PackedBatch) -> None:
+        self._send(*pack_step(batch))
 
-    def send_pool(self, slots: int, max_len: int) -> None:
-        """The other ranks allocate a KV pool of this shape (0 slots: none)."""
-        self._send(header(PlanOp.POOL, slots, max_len), None)
+    def send_pool(self, capacity: int) -> None:
+        """The other ranks allocate a KV pool of `capacity` tokens (0: none)."""
+        self._send(header(PlanOp.POOL, capacity), None)
+
+    def send_moves(self, moves: list[Move]) -> None:
+        """The other ranks apply rank 0's pool compaction to their pools."""
+        self._send(*pack_moves(moves))
 
     def stop_followers(self) -> None:
         """Tells the other ranks to leave; rank 0 only."""

@@ -1,0 +1,154 @@
+"""The packed (variable-length) batch every forward runs on, and attention over it.
+
+A step's rows have different lengths (a recompute row feeds its whole sequence, a cache
+row only its block), so their fed tokens are concatenated into one `[T]` sequence with
+`cu_seqlens` boundaries instead of being padded to the longest: the linear layers see only
+real tokens and no attention mask is needed. Attention runs per row over views — of the
+row's own fed K/V, or of its contiguous extent of the KV pool — so nothing is gathered;
+rows of equal length (and, when reading the pool, evenly spaced extents) share one batched
+SDPA call over a strided view. Grouped-query heads go to SDPA as they are (`enable_gqa`),
+never expanded. On CUDA, FlashAttention's varlen kernel runs the self-attention of packed
+rows when `flash_attn` is installed (the `flash` extra).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from .kv_cache import KVCache
+
+try:  # optional: CUDA only, installed with the `flash` extra
+    from flash_attn import flash_attn_varlen_func
+except ImportError:  # pragma: no cover - depends on the installed packages
+    flash_attn_varlen_func = None
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """One forward: fed tokens `ids` `[T]` with absolute `positions` `[T]`, `lengths` fed
+    tokens per row (on the host), and `logits_index` `[R, m]` — indices into the `T` tokens
+    of those whose logits are wanted (None: every token, as `[1, T]`).
+
+    With a KV pool, `cache_slots` `[T]` are the pool rows every layer writes the fed K/V to,
+    and `cache_reads` — per row, (first pool row, length) — make that row attend over that
+    extent of the pool (after the write) instead of over its own fed tokens."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    lengths: tuple[int, ...]
+    logits_index: torch.Tensor | None = None
+    cache_slots: torch.Tensor | None = None
+    cache_reads: tuple[tuple[int, int], ...] | None = None
+
+    def __post_init__(self) -> None:
+        total = sum(self.lengths)
+        if self.ids.dim() != 1 or self.positions.shape != self.ids.shape:
+            raise ValueError(
+                f"ids and positions must both be [T]; got {tuple(self.ids.shape)} and "
+                f"{tuple(self.positions.shape)}"
+            )
+        if total != self.ids.numel() or any(n <= 0 for n in self.lengths):
+            raise ValueError(f"row lengths {self.lengths} do not partition {self.ids.numel()}")
+        if self.cache_slots is not None and self.cache_slots.shape != self.ids.shape:
+            raise ValueError("cache_slots must name one pool row per fed token")
+        if self.cache_reads is not None and len(self.cache_reads) != len(self.lengths):
+            raise ValueError("cache_reads must give one pool extent per row")
+
+    @property
+    def uses_pool(self) -> bool:
+        return self.cache_slots is not None or self.cache_reads is not None
+
+
+@dataclass(frozen=True)
+class PoolAccess:
+    """What a layer does with the pool in one forward (see `PackedBatch`)."""
+
+    pool: KVCache
+    slots: torch.Tensor | None
+    reads: tuple[tuple[int, int], ...] | None
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: tuple[int, ...],
+    pool: tuple[torch.Tensor, torch.Tensor] | None = None,
+    reads: tuple[tuple[int, int], ...] | None = None,
+) -> torch.Tensor:
+    """Bidirectional attention of packed queries `q` `[T, heads, dim]`: each row over its
+    own `k`, `v` `[T, kv_heads, dim]` rows, or with `reads` over its extent of the pool's
+    `[capacity, kv_heads, dim]` K and V. Returns `[T, heads, dim]`."""
+    if reads is not None and pool is not None:
+        batched = _even_extents(lengths, reads)
+        if batched is not None:
+            keys, values = (_strided_rows(t, *batched) for t in pool)
+            return _sdpa(_rows(q, len(lengths)), keys, values).reshape(q.shape)
+        keys = [pool[0][b : b + n] for b, n in reads]
+        values = [pool[1][b : b + n] for b, n in reads]
+    else:
+        if flash_attn_varlen_func is not None and q.is_cuda and q.dtype != torch.float32:
+            return _flash_varlen(q, k, v, lengths)
+        if len(set(lengths)) == 1:
+            rows = len(lengths)
+            return _sdpa(_rows(q, rows), _rows(k, rows), _rows(v, rows)).reshape(q.shape)
+        keys, values = list(k.split(lengths)), list(v.split(lengths))
+    out = torch.empty_like(q)
+    for qi, ki, vi, oi in zip(q.split(lengths), keys, values, out.split(lengths), strict=True):
+        oi.copy_(_sdpa(qi[None], ki[None], vi[None])[0])
+    return out
+
+
+def _rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """`[T, h, d]` of equal-length rows as `[rows, T/rows, h, d]` (a view)."""
+    return x.view(rows, -1, *x.shape[1:])
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """SDPA on token-major `[b, n, heads, dim]` views; returns `[b, n, heads, dim]`."""
+    gqa = k.shape[2] != q.shape[2]
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=gqa
+    )
+    return out.transpose(1, 2)
+
+
+def _even_extents(
+    lengths: tuple[int, ...], reads: tuple[tuple[int, int], ...]
+) -> tuple[int, int, int, int] | None:
+    """(rows, first row, spacing, length) when every row feeds as many tokens and reads an
+    equally long extent at an even spacing — one strided view then covers them all."""
+    if len(set(lengths)) != 1 or len({n for _, n in reads}) != 1:
+        return None
+    bases = [b for b, _ in reads]
+    spacing = bases[1] - bases[0] if len(bases) > 1 else 0
+    if any(b1 - b0 != spacing for b0, b1 in zip(bases, bases[1:], strict=False)):
+        return None
+    return len(bases), bases[0], spacing, reads[0][1]
+
+
+def _strided_rows(
+    store: torch.Tensor, rows: int, first: int, spacing: int, length: int
+) -> torch.Tensor:
+    """`[rows, length, kv_heads, dim]` view of extents `first + i * spacing` of `store`."""
+    token = store.stride(0)
+    return store.as_strided(
+        (rows, length, *store.shape[1:]),
+        (spacing * token, token, *store.stride()[1:]),
+        store.storage_offset() + first * token,
+    )
+
+
+def _flash_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: tuple[int, ...]
+) -> torch.Tensor:
+    cu = torch.tensor((0, *lengths), device=q.device, dtype=torch.int32).cumsum(
+        0, dtype=torch.int32
+    )
+    longest = max(lengths)
+    return flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=False)
