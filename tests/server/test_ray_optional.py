@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,7 @@ from dilaserve.engine import LocalLauncher
 
 NO_RAY = """
 import sys
+from pathlib import Path
 from dilaserve.cli import build_parser, main
 from dilaserve.cli.serve import engine_config, launcher_from, settings_from
 from dilaserve.engine import Engine
@@ -68,3 +70,17 @@ def test_ray_nodes_keep_their_keys_while_others_come_and_go():
     assert nodes.slots() == {0: 4, 2: 1} and nodes.get(1) is None
     lost, joined = nodes.update([node("a", 4, head=True), node("d", 1), node("b", 2)])
     assert lost == [] and [(n.node_id, n.key) for n in joined] == [("b", 3)]
+
+
+def test_kuberay_manifest_starts_a_server_the_cli_accepts():
+    yaml = pytest.importorskip("yaml")
+    manifest = Path(__file__).parents[2] / "deploy" / "kuberay-raycluster.yaml"
+    cluster, service = yaml.safe_load_all(manifest.read_text())
+    assert cluster["kind"] == "RayCluster" and service["kind"] == "Service"
+    (head,) = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
+    command = head["args"][0].split("exec dilaserve ", 1)[1].split()
+    args = build_parser().parse_args(command)
+    values = settings_from(args)
+    assert (values["launcher"], values["ray_address"], values["device"]) == ("ray", "auto", "cuda")
+    ports = {p["containerPort"] for p in head["ports"]}
+    assert values["port"] in ports and service["spec"]["ports"][0]["targetPort"] == values["port"]
