@@ -134,7 +134,8 @@ class Reconfigurer:
                 node_gpus=node_gpus,
                 config=PlannerConfig(
                     slo_seconds=c.slo_scale * isolated_latency(c, engine.profile, arrivals),
-                    degrees=engine.planner_degrees,
+                    # No degree wider than the largest node (a cluster's nodes may differ).
+                    degrees=tuple(d for d in engine.planner_degrees if d <= max(node_gpus)) or (1,),
                     batch_tokens=tuple(sorted({*DEFAULT_BATCH_TOKENS, c.max_batch_tokens})),
                     caching=caching,
                     block_length=c.block_length,
