@@ -38,12 +38,14 @@ def test_ray_options_from_flags_and_toml(tmp_path):
     values = settings_from(parse(["serve", "--device", "cpu"]))
     assert isinstance(launcher_from(values, engine_config(values)), LocalLauncher)
     argv = ["serve", "--device", "cpu", "--launcher", "ray", "--ray-address", "10.0.0.1:6379"]
-    values = settings_from(parse(argv))
+    with pytest.raises(ValueError, match="needs --instances"):
+        engine_config(settings_from(parse(argv)))
+    values = settings_from(parse([*argv, "--instances", "2x1"]))
     launcher = launcher_from(values, engine_config(values))
     assert isinstance(launcher, RayLauncher)
     assert (launcher.address, launcher.resource) == ("10.0.0.1:6379", "CPU")
     config = tmp_path / "serve.toml"
-    config.write_text('launcher = "ray"\nray_resource = "accelerator"\n')
+    config.write_text('launcher = "ray"\nray_resource = "accelerator"\ninstances = "1x2"\n')
     values = settings_from(parse(["serve", "--device", "cpu", "--config", str(config)]))
     launcher = launcher_from(values, engine_config(values))
     assert (launcher.address, launcher.resource) == ("auto", "accelerator")

@@ -163,6 +163,8 @@ def engine_config(values: dict) -> EngineConfig:
     device = values["device"] or ("cuda" if torch.cuda.is_available() else "cpu")
     if values["instances"]:
         instances = parse_instances(values["instances"])
+    elif values["launcher"] == "ray":
+        raise ValueError("--launcher ray needs --instances (this machine's devices say nothing)")
     elif device == "cuda":
         instances = (1,) * torch.cuda.device_count()
     else:
