@@ -5,7 +5,7 @@ Triton kernel on CUDA tensors when triton is installed and the torch reference e
 the `*_reference` and `*_triton` variants are exported for tests and benchmarks.
 """
 
-from .backend import KernelInputError, TritonUnavailableError
+from .backend import KernelInputError, TritonUnavailableError, use_triton
 from .kv_reuse import (
     scatter_kv,
     scatter_kv_reference,
@@ -47,6 +47,7 @@ __all__ = [
     "threshold_commit",
     "threshold_commit_reference",
     "threshold_commit_triton",
+    "use_triton",
     "vocab_partials",
     "vocab_partials_reference",
     "vocab_partials_triton",

@@ -41,7 +41,17 @@ def scatter_kv_reference(cache: torch.Tensor, slots: torch.Tensor, new: torch.Te
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["heads", "head_dim", "num_slots"])
+    @triton.jit(
+        do_not_specialize=[
+            "heads",
+            "head_dim",
+            "num_slots",
+            "stride_ct",
+            "stride_ch",
+            "stride_nt",
+            "stride_nh",
+        ]
+    )
     def _scatter_kv_kernel(
         cache_ptr,
         slots_ptr,

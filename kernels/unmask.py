@@ -25,6 +25,9 @@ import torch
 from .backend import require, require_triton, tl, triton, use_triton
 
 LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Narrowest row tile of the threshold kernel: every block of up to 32 positions (the usual
+# block length) shares one compiled variant, whatever its count of masked positions.
+MIN_BLOCK_M = 32
 # Widest vocabulary tile: large enough to stream 152k-entry rows in ~75 iterations, small
 # enough to keep the three running fp32 vectors in registers.
 MAX_BLOCK_V = 2048
@@ -336,6 +339,11 @@ if triton is not None:
         tl.store(ids_ptr + record + 2, tl.where(live, best + vocab_offset, NO_ID).to(tl.int32))
 
 
+def commit_width(m: int) -> int:
+    """The threshold kernel's row tile for `m` positions."""
+    return max(triton.next_power_of_2(m), MIN_BLOCK_M)
+
+
 def confidence_commit_triton(
     logits: torch.Tensor,
     candidate: torch.Tensor,
@@ -374,7 +382,7 @@ def confidence_commit_triton(
         counts,
         m,
         *ids.stride(),
-        BLOCK_M=triton.next_power_of_2(m),
+        BLOCK_M=commit_width(m),
     )
     return CommitResult(committed, counts, x0, confidence, confidence_stats(confidence, candidate))
 
@@ -414,7 +422,7 @@ def threshold_commit_triton(
         counts,
         m,
         *ids.stride(),
-        BLOCK_M=triton.next_power_of_2(m),
+        BLOCK_M=commit_width(m),
     )
     return CommitResult(committed, counts, x0, confidence, confidence_stats(confidence, candidate))
 

@@ -98,19 +98,27 @@ class Attention(nn.Module):
         lengths: tuple[int, ...],
         layer: int,
         cache: PoolAccess | None,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`x` `[T, hidden]` packed rows of `lengths` tokens each."""
+        """`x` `[T, hidden]` packed rows of `lengths` tokens each. With `keep` `[rows, m]`
+        (indices into the T tokens), only those tokens query: the output is theirs."""
         t = x.shape[0]
-        q = apply_rope(self.q(x).view(t, self.heads, self.head_dim), *rope)
         k = apply_rope(self.k(x).view(t, self.kv_heads, self.head_dim), *rope)
         v = self.v(x).view(t, self.kv_heads, self.head_dim)
+        q_lengths = None
+        if keep is not None:
+            picked = keep.reshape(-1)
+            x, rope = x[picked], (rope[0][picked], rope[1][picked])
+            q_lengths = (keep.shape[1],) * keep.shape[0]
+        q = apply_rope(self.q(x).view(x.shape[0], self.heads, self.head_dim), *rope)
         pool = None
         if cache is not None:
             if cache.slots is not None:
                 cache.pool.write(layer, cache.slots, k, v)
             pool = cache.pool.layer(layer)
-        out = attend(q, k, v, lengths, pool, None if cache is None else cache.reads)
-        return self.o(out.reshape(t, self.heads * self.head_dim))
+        reads = None if cache is None else cache.reads
+        out = attend(q, k, v, lengths, pool, reads, q_lengths)
+        return self.o(out.reshape(x.shape[0], self.heads * self.head_dim))
 
 
 class DecoderLayer(nn.Module):
@@ -133,6 +141,10 @@ class DecoderLayer(nn.Module):
         lengths: tuple[int, ...],
         layer: int,
         cache: PoolAccess | None,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope, lengths, layer, cache)
+        """With `keep` (the last layer, when only some tokens' logits are wanted) the
+        attention queries, the residual and the MLP run on those tokens only."""
+        out = self.attn(self.attn_norm(x), rope, lengths, layer, cache, keep)
+        x = (x if keep is None else x[keep.reshape(-1)]) + out
         return x + self.mlp(self.mlp_norm(x))

@@ -112,9 +112,12 @@ class DiffusionLM(nn.Module):
         if self.config.input_scale != 1.0:
             x = x * self.config.input_scale
         rope = rope_tables(batch.positions, self.config.head_dim, self.config.rope_theta)
+        keep = batch.logits_index
+        last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):
-            x = layer(x, rope, batch.lengths, index, access)
-        x = x[None] if batch.logits_index is None else x[batch.logits_index]
+            # Only the tokens whose logits are wanted need the last layer's queries and MLP.
+            x = layer(x, rope, batch.lengths, index, access, keep if index == last else None)
+        x = x[None] if keep is None else x.view(*keep.shape, -1)
         return self._logits(self.norm(x))
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -80,26 +80,29 @@ def attend(
     lengths: tuple[int, ...],
     pool: tuple[torch.Tensor, torch.Tensor] | None = None,
     reads: tuple[tuple[int, int], ...] | None = None,
+    q_lengths: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
-    """Bidirectional attention of packed queries `q` `[T, heads, dim]`: each row over its
-    own `k`, `v` `[T, kv_heads, dim]` rows, or with `reads` over its extent of the pool's
-    `[capacity, kv_heads, dim]` K and V. Returns `[T, heads, dim]`."""
+    """Bidirectional attention of packed queries `q` `[Tq, heads, dim]`: each row over its
+    own `k`, `v` `[T, kv_heads, dim]` rows (`lengths` per row), or with `reads` over its
+    extent of the pool's `[capacity, kv_heads, dim]` K and V. Rows have `q_lengths` queries
+    (default: `lengths`, every fed token). Returns `[Tq, heads, dim]`."""
+    q_lengths = lengths if q_lengths is None else q_lengths
+    rows = len(lengths)
     if reads is not None and pool is not None:
-        batched = _even_extents(lengths, reads)
+        batched = _even_extents(q_lengths, reads)
         if batched is not None:
             keys, values = (_strided_rows(t, *batched) for t in pool)
-            return _sdpa(_rows(q, len(lengths)), keys, values).reshape(q.shape)
+            return _sdpa(_rows(q, rows), keys, values).reshape(q.shape)
         keys = [pool[0][b : b + n] for b, n in reads]
         values = [pool[1][b : b + n] for b, n in reads]
     else:
         if flash_attn_varlen_func is not None and q.is_cuda and q.dtype != torch.float32:
-            return _flash_varlen(q, k, v, lengths)
-        if len(set(lengths)) == 1:
-            rows = len(lengths)
+            return _flash_varlen(q, k, v, q_lengths, lengths)
+        if len(set(lengths)) == 1 and len(set(q_lengths)) == 1:
             return _sdpa(_rows(q, rows), _rows(k, rows), _rows(v, rows)).reshape(q.shape)
         keys, values = list(k.split(lengths)), list(v.split(lengths))
     out = torch.empty_like(q)
-    for qi, ki, vi, oi in zip(q.split(lengths), keys, values, out.split(lengths), strict=True):
+    for qi, ki, vi, oi in zip(q.split(q_lengths), keys, values, out.split(q_lengths), strict=True):
         oi.copy_(_sdpa(qi[None], ki[None], vi[None])[0])
     return out
 
@@ -145,10 +148,17 @@ def _strided_rows(
 
 
 def _flash_varlen(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: tuple[int, ...]
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_lengths: tuple[int, ...],
+    lengths: tuple[int, ...],
 ) -> torch.Tensor:
-    cu = torch.tensor((0, *lengths), device=q.device, dtype=torch.int32).cumsum(
-        0, dtype=torch.int32
+    def cu(n: tuple[int, ...]) -> torch.Tensor:
+        return torch.tensor((0, *n), device=q.device, dtype=torch.int32).cumsum(
+            0, dtype=torch.int32
+        )
+
+    return flash_attn_varlen_func(
+        q, k, v, cu(q_lengths), cu(lengths), max(q_lengths), max(lengths), causal=False
     )
-    longest = max(lengths)
-    return flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=False)

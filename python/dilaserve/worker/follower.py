@@ -54,7 +54,8 @@ def follow(model: DiffusionLM, group: TensorParallelGroup) -> None:
             if pool is not None:
                 pool.apply_moves(list(message.moves))
             continue
-        assert message.batch is not None
+        if message.batch is None:
+            raise RuntimeError("a step plan without a batch")
         logits = forward_logits(model, pool, message.batch)
         group.gather_partials(vocab_partials(logits, model.vocab_offset))
         steps += 1

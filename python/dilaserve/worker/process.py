@@ -135,6 +135,7 @@ def serve(settings: WorkerSettings) -> int:
             max_requests=settings.max_requests,
             kv_cache_memory=settings.kv_cache_memory,
         )
+        runner.warm_up()
         try:
             return _serve_engine(settings, runner)
         finally:

@@ -31,7 +31,14 @@ from dataclasses import dataclass
 
 import torch
 
-from dilaserve.kernels import confidence_commit, threshold_commit
+from dilaserve.kernels import (
+    confidence_commit,
+    partial_ids,
+    scatter_kv,
+    threshold_commit,
+    use_triton,
+    vocab_partials,
+)
 from dilaserve.models.packed import PackedBatch
 from dilaserve.protocol import (
     CacheMode,
@@ -120,6 +127,29 @@ class StepRunner:
             self.pool.on_move = self.group.send_moves
         self._held: dict[int, _Held] = {}
         self.forward_tokens = 0
+
+    def warm_up(self) -> None:
+        """Compiles the step's Triton kernels now rather than in the first request's step
+        (CUDA only). They do not specialise on batch shapes, so this is their one compile."""
+        model, device = self.model, self.device
+        if not use_triton(torch.empty(0, device=device)):
+            return
+        logits = torch.zeros((1, 1, model.local_vocab), dtype=model.dtype, device=device)
+        candidate = torch.ones((1, 1), dtype=torch.bool, device=device)
+        tau = torch.ones(1, dtype=torch.float32, device=device)
+        ids = torch.zeros((1, 1), dtype=torch.long, device=device)
+        if self.group is None:
+            confidence_commit(logits, candidate, tau, ids)
+        else:
+            partials = vocab_partials(logits, model.vocab_offset)
+            threshold_commit(
+                partial_ids(partials).long(), partials[..., 1].clone(), candidate, tau, ids
+            )
+        if self.pool is not None:
+            k, _ = self.pool.layer(0)
+            # Row 0's K/V is rewritten by whichever request's recompute step comes first.
+            scatter_kv(k, torch.zeros(1, dtype=torch.long, device=device), k[:1].clone())
+        torch.cuda.synchronize(device)
 
     @property
     def kv_tokens(self) -> int | None:
@@ -211,13 +241,14 @@ class StepRunner:
         started = time.perf_counter()
         held = self._check_batch(batch)
         kinds = [e.kind for e in batch]
-        packed = self._pack(held, kinds)
+        columns = [self._masked_in_block(h) for h in held]
+        packed = self._pack(held, kinds, columns)
         tau = torch.tensor([e.tau for e in batch], dtype=torch.float32).to(self.device)
         with self._group_fatal():
             if self.group is not None:
                 self.group.send_step(packed)
             logits = forward_logits(self.model, self.pool, packed)
-            outputs = self._commit(batch, held, logits, tau)
+            outputs = self._commit(batch, held, columns, logits, tau)
         fed = packed.ids.numel()
         self.forward_tokens += fed
         return StepReport(
@@ -267,6 +298,12 @@ class StepRunner:
         except Exception as exc:
             raise GroupLostError(f"rank 0 failed mid-step: {type(exc).__name__}: {exc}") from exc
 
+    def _masked_in_block(self, h: _Held) -> list[int]:
+        """Block positions still masked: the step's candidates (never empty for a request
+        that is not done)."""
+        block = h.tokens[h.block_start : h.block_start + h.state.block_length]
+        return [j for j, t in enumerate(block) if t == self.config.mask_token_id]
+
     def _window(self, h: _Held, kind: StepKind) -> tuple[int, int]:
         """The sequence positions `[begin, end)` a row feeds: all of them for a full step;
         for a cache step the block (dual) or block + suffix (prefix). A model whose logits
@@ -278,8 +315,11 @@ class StepRunner:
             return begin, h.block_start + h.state.block_length
         return begin, h.state.seq_length
 
-    def _pack(self, rows: list[_Held], kinds: list[StepKind]) -> PackedBatch:
-        """The step's one packed model call: every row's window, concatenated."""
+    def _pack(
+        self, rows: list[_Held], kinds: list[StepKind], columns: list[list[int]]
+    ) -> PackedBatch:
+        """The step's one packed model call: every row's window, concatenated; logits for
+        the block positions `columns` of each row."""
         windows = [self._window(h, k) for h, k in zip(rows, kinds, strict=True)]
         lengths = [e - b for b, e in windows]
         starts = list(itertools.accumulate(lengths, initial=0))
@@ -291,15 +331,19 @@ class StepRunner:
         # Fed token t of row i sits at position begin_i + (t - start_i).
         shift = torch.tensor([b - s for (b, _), s in zip(windows, starts, strict=False)])
         positions = torch.repeat_interleave(shift, torch.tensor(lengths)) + torch.arange(starts[-1])
-        # Block column j of row i is fed token start_i + (block_start_i - shift - begin_i) + j.
-        sizes = [h.state.block_length for h in rows]
+        # Logits only for the block's still-masked positions (the candidates), in position
+        # order; masked position j of row i is fed token start_i + (block_start_i - shift -
+        # begin_i) + j. Rows with fewer repeat their last one; those columns are no candidates.
+        width = max(len(c) for c in columns)
         first = [
             s + h.block_start - self.config.logit_shift - b
             for h, s, (b, _) in zip(rows, starts, windows, strict=False)
         ]
-        columns = torch.arange(max(sizes))[None, :]
-        index = torch.tensor(first)[:, None] + torch.minimum(
-            columns, torch.tensor(sizes)[:, None] - 1
+        index = torch.tensor(
+            [
+                [f + j for j in c + c[-1:] * (width - len(c))]
+                for f, c in zip(first, columns, strict=True)
+            ]
         )
         slots = reads = None
         if self.pool is not None:
@@ -320,17 +364,20 @@ class StepRunner:
         self,
         batch: Sequence[StepEntry],
         rows: list[_Held],
+        columns: list[list[int]],
         logits: torch.Tensor,
         tau: torch.Tensor,
     ) -> list[StepOutput]:
+        """Commits by the threshold rule; logits column j of row i is its block position
+        `columns[i][j]` (every one a candidate, lowest position first)."""
         width = logits.shape[1]
-        mask_id = self.config.mask_token_id
-        blocks = [h.tokens[h.block_start : h.block_start + h.state.block_length] for h in rows]
-        host_ids = torch.tensor([b + [mask_id] * (width - len(b)) for b in blocks])
-        sizes = torch.tensor([len(b) for b in blocks])
-        in_block = torch.arange(width)[None, :] < sizes[:, None]
-        ids = host_ids.to(self.device, non_blocking=True)
-        candidate = ((host_ids == mask_id) & in_block).to(self.device, non_blocking=True)
+        counts = torch.tensor([len(c) for c in columns])
+        candidate = (torch.arange(width)[None, :] < counts[:, None]).to(
+            self.device, non_blocking=True
+        )
+        ids = torch.full(
+            (len(rows), width), self.config.mask_token_id, dtype=torch.long, device=self.device
+        )
         if self.group is None:
             result = confidence_commit(logits, candidate, tau, ids)
         else:
@@ -344,27 +391,32 @@ class StepRunner:
         new_ids = host[:, width : 2 * width].long().tolist()
         stats = host[:, 2 * width :].tolist()
         return [
-            self._advance(e, h, committed[i], new_ids[i], stats[i])
+            self._advance(
+                e,
+                h,
+                [
+                    (c, t)
+                    for c, t, hit in zip(columns[i], new_ids[i], committed[i], strict=False)
+                    if hit
+                ],
+                stats[i],
+            )
             for i, (e, h) in enumerate(zip(batch, rows, strict=True))
         ]
 
     def _advance(
-        self,
-        entry: StepEntry,
-        h: _Held,
-        committed: list[bool],
-        new_ids: list[int],
-        stats: list[float],
+        self, entry: StepEntry, h: _Held, picked: list[tuple[int, int]], stats: list[float]
     ) -> StepOutput:
-        """Applies one row's commit to its host-side state (no device work)."""
+        """Applies one row's commit — (block position, token) pairs — to its host-side state
+        (no device work)."""
         state = h.state
         size, start = state.block_length, h.block_start
         out_start = start - state.prompt_length
-        picked = [j for j in range(size) if committed[j]]
-        tokens = [new_ids[j] for j in picked]
-        for j, token in zip(picked, tokens, strict=True):
+        for j, token in picked:
             h.tokens[start + j] = token
-        state.commit(out_start // size, [out_start + j for j in picked], tokens)
+        positions = [out_start + j for j, _ in picked]
+        tokens = [t for _, t in picked]
+        state.commit(out_start // size, positions, tokens)
         # Every step writes the fed tokens' K/V; only a recompute step refreshes the rest
         # of the sequence, which a cache step of the same block reads.
         h.cache_valid = (
@@ -379,7 +431,7 @@ class StepRunner:
             request_id=state.request_id,
             kind=entry.kind,
             block=out_start // size,
-            committed_positions=[out_start + j for j in picked],
+            committed_positions=positions,
             committed_tokens=tokens,
             confidence_stats=tuple(stats),  # type: ignore[arg-type]
             num_masked=state.num_masked,
