@@ -6,7 +6,7 @@ import argparse
 
 import torch
 
-from dilaserve.cli.common import add_model_arguments, model_dir
+from dilaserve.cli.common import add_model_arguments, default_dtype, model_dir
 from dilaserve.profiling import DEFAULT_TOKEN_GRID, ProfileSettings, measure_degrees, write_profile
 
 
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         model_dir(args),
         args.tp,
         settings,
-        dtype=args.dtype,
+        dtype=args.dtype or default_dtype(args.device),
         device=args.device,
         threads=args.threads,
     )

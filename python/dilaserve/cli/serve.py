@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from dilaserve.cli.common import default_dtype
 from dilaserve.engine import Engine, EngineConfig, Launcher, LocalLauncher
 from dilaserve.protocol import CacheMode
 from dilaserve.scheduler import Policy
@@ -38,7 +39,7 @@ DEFAULTS = {
     "max_batch_tokens": 8192,
     "profile": None,
     "replan_interval": None,
-    "dtype": "float32",
+    "dtype": None,
     "device": None,
     "host": "127.0.0.1",
     "port": 8000,
@@ -86,7 +87,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch-tokens", type=int)
     p.add_argument("--profile", help="latency profile JSON (default: measured at start-up)")
     p.add_argument("--replan-interval", type=float, help="seconds between cluster re-plans")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], help="bfloat16 on CUDA, else float32"
+    )
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--host")
     p.add_argument("--port", type=int)
@@ -174,7 +177,7 @@ def engine_config(values: dict) -> EngineConfig:
         instances=instances,
         device_slots=values["device_slots"],
         cache=CacheMode(values["cache"]),
-        dtype=values["dtype"],
+        dtype=values["dtype"] or default_dtype(device),
         device=device,
         slo_scale=values["slo_scale"],
         policy=policy_from(values),
