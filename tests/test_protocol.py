@@ -45,13 +45,26 @@ def test_current_block_and_done():
     assert s.done and s.current_block == 2 and s.first_masked() is None
 
 
-def test_eos_stops_only_when_everything_before_it_is_unmasked():
-    s = RequestState.new(1, [1], 8, block_length=4, mask_token_id=M, eos_token_id=3)
-    s.output_ids = [5, M, 3, M, M, M, M, M]
+def test_a_stop_token_stops_only_when_everything_before_it_is_unmasked():
+    s = RequestState.new(1, [1], 8, block_length=4, mask_token_id=M, stop_token_ids=[3, 9])
+    s.output_ids = [5, M, 9, M, M, 3, M, M]
     assert not s.done
     s.output_ids[1] = 6
-    assert s.done
+    assert s.done and s.stop_position == 2
     assert s.generated_ids() == [5, 6]
+
+
+def test_fixed_schedule_splits_each_block_into_equal_shares():
+    s = RequestState.new(1, [1], 8, block_length=8, mask_token_id=M, steps_per_block=3)
+    counts = []
+    for steps in range(3):
+        s.block_steps = steps
+        counts.append(s.transfer_count())
+    assert counts == [3, 3, 2]
+    with pytest.raises(TokenStateError, match="steps_per_block"):
+        RequestState.new(1, [1], 8, block_length=8, mask_token_id=M, steps_per_block=0)
+    with pytest.raises(TokenStateError, match="temperature"):
+        RequestState.new(1, [1], 8, block_length=8, mask_token_id=M, temperature=-1.0)
 
 
 def test_default_step_kind_follows_cache_mode_and_block_steps():
@@ -72,7 +85,9 @@ def test_apply_advances_the_engine_copy_like_the_worker():
 
 
 def test_messages_round_trip_through_msgpack():
-    state = RequestState.new(7, [1, 2], 8, block_length=4, mask_token_id=M, eos_token_id=3)
+    state = RequestState.new(
+        7, [1, 2], 8, block_length=4, mask_token_id=M, stop_token_ids=[3], temperature=0.5
+    )
     command = StepCommand(
         step=3,
         entries=[StepEntry(7, 0.9, StepKind.RECOMPUTE)],

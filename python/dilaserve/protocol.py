@@ -14,6 +14,7 @@ malformed frame fails to decode with a typed error instead of reaching the runne
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import msgspec
@@ -61,7 +62,16 @@ class RequestState:
     output_ids: list[int]
     block_length: int
     mask_token_id: int
-    eos_token_id: int | None = None
+    #: The request is done once one of these is committed with everything before it
+    #: unmasked (empty: decode every output position).
+    stop_token_ids: list[int] = field(default_factory=list)
+    #: Sampling temperature: 0 takes each position's argmax; above 0 the token is drawn
+    #: with Gumbel noise (LLaDA's and Fast-dLLM's sampler) and its confidence is still the
+    #: noiseless softmax probability.
+    temperature: float = 0.0
+    #: The original fixed schedule: each block takes exactly this many steps, committing
+    #: its most confident positions in equal shares (τ is ignored). None: threshold rule.
+    steps_per_block: int | None = None
     steps_done: int = 0
     # Steps already run in the current block; 0 means the next step opens a block.
     block_steps: int = 0
@@ -75,7 +85,9 @@ class RequestState:
         *,
         block_length: int,
         mask_token_id: int,
-        eos_token_id: int | None = None,
+        stop_token_ids: Sequence[int] = (),
+        temperature: float = 0.0,
+        steps_per_block: int | None = None,
     ) -> RequestState:
         """A fresh request: `gen_length` output positions rounded up to whole blocks."""
         if block_length <= 0:
@@ -88,7 +100,9 @@ class RequestState:
             output_ids=[mask_token_id] * whole_blocks(gen_length, block_length),
             block_length=block_length,
             mask_token_id=mask_token_id,
-            eos_token_id=eos_token_id,
+            stop_token_ids=list(stop_token_ids),
+            temperature=temperature,
+            steps_per_block=steps_per_block,
         )
         state.validate()
         return state
@@ -108,9 +122,22 @@ class RequestState:
             )
         if not self.output_ids:
             raise TokenStateError(f"request {rid}: no output positions")
+        if not self.temperature >= 0.0:
+            raise TokenStateError(f"request {rid}: temperature {self.temperature} is negative")
+        if self.steps_per_block is not None and self.steps_per_block <= 0:
+            raise TokenStateError(
+                f"request {rid}: steps_per_block must be positive, got {self.steps_per_block}"
+            )
+        if self.mask_token_id in self.stop_token_ids:
+            raise TokenStateError(f"request {rid}: the mask token cannot be a stop token")
 
     def copy(self) -> RequestState:
-        return replace(self, prompt_ids=list(self.prompt_ids), output_ids=list(self.output_ids))
+        return replace(
+            self,
+            prompt_ids=list(self.prompt_ids),
+            output_ids=list(self.output_ids),
+            stop_token_ids=list(self.stop_token_ids),
+        )
 
     @property
     def prompt_length(self) -> int:
@@ -152,14 +179,21 @@ class RequestState:
         return self.current_block
 
     @property
-    def eos_position(self) -> int | None:
-        """Output index of the first committed EOS, if stopping at EOS is enabled."""
-        if self.eos_token_id is None:
+    def stop_position(self) -> int | None:
+        """Output index of the first committed stop token, if any."""
+        if not self.stop_token_ids:
             return None
-        try:
-            return self.output_ids.index(self.eos_token_id)
-        except ValueError:
-            return None
+        stops = set(self.stop_token_ids)
+        return next((i for i, t in enumerate(self.output_ids) if t in stops), None)
+
+    def transfer_count(self) -> int:
+        """Positions the next step commits under the fixed schedule: the block's length in
+        `steps_per_block` equal shares, the remainder one each to the first steps (LLaDA's
+        `get_num_transfer_tokens`)."""
+        if self.steps_per_block is None:
+            raise TokenStateError(f"request {self.request_id} follows the threshold rule")
+        share, extra = divmod(self.block_length, self.steps_per_block)
+        return share + (self.block_steps < extra)
 
     @property
     def done(self) -> bool:
@@ -167,8 +201,8 @@ class RequestState:
         first_mask = self.first_masked()
         if first_mask is None:
             return True
-        eos = self.eos_position
-        return eos is not None and eos < first_mask
+        stop = self.stop_position
+        return stop is not None and stop < first_mask
 
     def default_step_kind(self, cache: CacheMode) -> StepKind:
         """The kind of the next step when the request stays where its cache is: the first
@@ -178,9 +212,9 @@ class RequestState:
         return StepKind.RECOMPUTE if self.block_steps == 0 else StepKind.CACHE
 
     def generated_ids(self) -> list[int]:
-        """Output tokens, cut before the first EOS when stopping at EOS."""
-        eos = self.eos_position
-        return self.output_ids[:eos] if eos is not None else list(self.output_ids)
+        """Output tokens, cut before the first stop token."""
+        stop = self.stop_position
+        return self.output_ids[:stop] if stop is not None else list(self.output_ids)
 
     def commit(self, block: int, positions: list[int], tokens: list[int]) -> None:
         """Advances the state by one step that unmasked `positions` of output block

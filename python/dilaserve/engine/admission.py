@@ -40,7 +40,9 @@ class RequestBuilder:
             params.max_tokens or c.default_max_tokens,
             block_length=params.block_length or c.block_length,
             mask_token_id=mc.mask_token_id,
-            eos_token_id=mc.eos_token_id if c.stop_at_eos else None,
+            stop_token_ids=mc.stop_token_ids if c.stop_at_eos else (),
+            temperature=params.temperature,
+            steps_per_block=params.steps_per_block,
         )
         if state.seq_length > mc.max_position_embeddings:
             raise BadRequestError(

@@ -111,6 +111,10 @@ class GenerationParams:
     threshold: float | None = None
     block_length: int | None = None
     priority: int = 0
+    #: 0 decodes each position's argmax; above 0, samples with Gumbel noise.
+    temperature: float = 0.0
+    #: The fixed schedule (this many steps per block, τ ignored); None: threshold rule.
+    steps_per_block: int | None = None
 
     def validate(self) -> None:
         if self.max_tokens is not None and self.max_tokens <= 0:
@@ -121,3 +125,7 @@ class GenerationParams:
             raise BadRequestError(f"threshold must be in (0, 1], got {self.threshold}")
         if self.block_length is not None and self.block_length <= 0:
             raise BadRequestError(f"block_length must be positive, got {self.block_length}")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise BadRequestError(f"temperature must be in [0, 2], got {self.temperature}")
+        if self.steps_per_block is not None and self.steps_per_block <= 0:
+            raise BadRequestError(f"steps_per_block must be positive, got {self.steps_per_block}")

@@ -115,8 +115,8 @@ class TrackedRequest:
         """Output ids of the complete blocks, cut before EOS."""
         state = self.state
         ids = state.output_ids[: state.complete_blocks * state.block_length]
-        eos = state.eos_position
-        return ids[:eos] if eos is not None and eos < len(ids) else ids
+        stop = state.stop_position
+        return ids[:stop] if stop is not None and stop < len(ids) else ids
 
     def stats(self, now: float) -> RequestStats:
         """How the request has been served so far (final once it finished)."""
@@ -140,7 +140,7 @@ class TrackedRequest:
     def finish(self, text: str, now: float) -> RequestOutput:
         """The last update; `text` decodes `state.generated_ids()`."""
         update = self.update(self.state.generated_ids(), text)
-        reason = "stop" if self.state.eos_position is not None else "length"
+        reason = "stop" if self.state.stop_position is not None else "length"
         return RequestOutput(
             self.id, update.text, update.delta, update.token_ids, True, reason, self.stats(now)
         )

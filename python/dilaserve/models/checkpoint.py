@@ -11,6 +11,7 @@ slice view of the memory map, so no rank ever holds a full copy of a split weigh
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -27,6 +28,7 @@ from .errors import CheckpointError
 from .llada import LLADA
 from .model import DiffusionLM
 from .parallel import Collective, Shard, check_degree, split_dim
+from .stop_tokens import read_stop_token_ids
 
 FAMILIES: dict[str, Family] = {family.name: family for family in (LLADA, DREAM)}
 CONFIG_FILE = "config.json"
@@ -72,7 +74,8 @@ def read_config(directory: str | Path) -> tuple[Family, ModelConfig]:
         if family.matches(raw):
             config = family.parse(raw, source)
             check_token_ids(config, source)
-            return family, config
+            stops = read_stop_token_ids(Path(directory), config)
+            return family, dataclasses.replace(config, stop_token_ids=stops)
     raise CheckpointError(
         f"{source}: unknown model family (model_type={raw.get('model_type')!r}, "
         f"architectures={raw.get('architectures')!r}); supported: {sorted(FAMILIES)}"

@@ -42,6 +42,9 @@ class ModelConfig:
     norm_bias: bool
     input_scale: float = 1.0
     logit_scale: float = 1.0
+    #: Tokens that end an answer: the EOS, the generation config's `eos_token_id`s and the
+    #: chat template's end-of-turn token (`stop_tokens.read_stop_token_ids`).
+    stop_token_ids: tuple[int, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 

@@ -161,7 +161,7 @@ def decode_runs(
                     length,
                     block_length=config.block_length,
                     mask_token_id=model.mask_token_id,
-                    eos_token_id=model.eos_token_id if config.stop_at_eos else None,
+                    stop_token_ids=model.stop_token_ids if config.stop_at_eos else (),
                 )
             )
         active = list(group)

@@ -131,6 +131,8 @@ class Server:
             threshold=body.confidence_threshold,
             block_length=body.block_length,
             priority=body.priority,
+            temperature=body.temperature or 0.0,
+            steps_per_block=body.steps_per_block,
         )
         rid = request.headers.get("X-Request-Id") or str(next(self._ids))
         shape = ResponseShape(chat, rid, self.settings.model_name)

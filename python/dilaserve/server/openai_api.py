@@ -1,5 +1,5 @@
 """OpenAI request shapes, decoded and type-checked by `msgspec`, plus DiLaServe's own
-fields: `slo_ms`, `confidence_threshold`, `block_length`, `priority`."""
+fields: `slo_ms`, `confidence_threshold`, `block_length`, `steps_per_block`, `priority`."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ class _Common(msgspec.Struct, kw_only=True):
     slo_ms: float | None = None
     confidence_threshold: float | None = None
     block_length: int | None = None
+    steps_per_block: int | None = None
     priority: int = 0
 
     def stops(self) -> list[str]:
@@ -53,6 +54,12 @@ class _Common(msgspec.Struct, kw_only=True):
             )
         if self.block_length is not None and self.block_length <= 0:
             raise bad_request("block_length must be positive", "block_length")
+        if self.steps_per_block is not None and self.steps_per_block <= 0:
+            raise bad_request("steps_per_block must be positive", "steps_per_block")
+        if self.temperature is not None and not 0.0 <= self.temperature <= 2.0:
+            raise bad_request(
+                f"temperature must be in [0, 2], got {self.temperature}", "temperature"
+            )
         self.stops()
 
 

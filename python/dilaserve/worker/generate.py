@@ -37,7 +37,7 @@ def generate(
             gen_length,
             block_length=block_length,
             mask_token_id=config.mask_token_id,
-            eos_token_id=config.eos_token_id if stop_at_eos else None,
+            stop_token_ids=config.stop_token_ids if stop_at_eos else (),
         )
         for i, p in enumerate(prompts)
     ]

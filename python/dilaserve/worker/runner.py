@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from dilaserve.kernels import (
+    CommitResult,
     confidence_commit,
     partial_ids,
     scatter_kv,
@@ -58,6 +59,7 @@ from dilaserve.worker.errors import (
 from dilaserve.worker.follower import make_pool, vocab_parallel_scores
 from dilaserve.worker.forward import forward_logits
 from dilaserve.worker.kv_cache import budget_tokens, bytes_per_token
+from dilaserve.worker.sampling import gumbel_scores, top_k_commit
 from dilaserve.worker.tp_group import TensorParallelGroup
 
 
@@ -127,6 +129,8 @@ class StepRunner:
             self.pool.on_move = self.group.send_moves
         self._held: dict[int, _Held] = {}
         self.forward_tokens = 0
+        # Gumbel noise of temperature sampling; seeded, so a runner's samples repeat.
+        self._noise = torch.Generator(self.device).manual_seed(0)
 
     def warm_up(self) -> None:
         """Compiles the step's Triton kernels now rather than in the first request's step
@@ -267,6 +271,10 @@ class StepRunner:
             raise StepRejectedError(
                 f"request {rid}: a {entry.kind} step cannot run with cache mode {self.cache_mode}"
             )
+        if h.state.temperature > 0 and self.group is not None:
+            raise StepRejectedError(
+                f"request {rid}: temperature sampling runs on single-rank instances only"
+            )
         if entry.kind is StepKind.CACHE and not h.cache_valid:
             raise StepRejectedError(
                 f"request {rid}: a cache step needs the K/V of this block's recompute step, "
@@ -378,11 +386,7 @@ class StepRunner:
         ids = torch.full(
             (len(rows), width), self.config.mask_token_id, dtype=torch.long, device=self.device
         )
-        if self.group is None:
-            result = confidence_commit(logits, candidate, tau, ids)
-        else:
-            x0, confidence = vocab_parallel_scores(self.model, self.group, logits)  # type: ignore[arg-type]
-            result = threshold_commit(x0, confidence, candidate, tau, ids)
+        result = self._scores_and_commit(rows, logits, candidate, tau, ids)
         # The step's one device read: committed flags, new ids and statistics together.
         host = torch.cat(
             [result.committed.double(), ids.double(), result.stats.double()], dim=1
@@ -403,6 +407,40 @@ class StepRunner:
             )
             for i, (e, h) in enumerate(zip(batch, rows, strict=True))
         ]
+
+    def _scores_and_commit(
+        self,
+        rows: list[_Held],
+        logits: torch.Tensor,
+        candidate: torch.Tensor,
+        tau: torch.Tensor,
+        ids: torch.Tensor,
+    ) -> CommitResult:
+        """Each row's tokens and confidences (argmax, or sampled with its temperature), then
+        its commit: the threshold rule, or its share of the fixed schedule."""
+        temperatures = [h.state.temperature for h in rows]
+        if any(temperatures):
+            x0, confidence = gumbel_scores(
+                logits, torch.tensor(temperatures).to(self.device), self._noise
+            )
+            result = threshold_commit(x0, confidence, candidate, tau, ids)
+        elif self.group is None:
+            result = confidence_commit(logits, candidate, tau, ids)
+        else:
+            x0, confidence = vocab_parallel_scores(self.model, self.group, logits)  # type: ignore[arg-type]
+            result = threshold_commit(x0, confidence, candidate, tau, ids)
+        fixed = [h.state.steps_per_block is not None for h in rows]
+        if not any(fixed):
+            return result
+        counts = torch.tensor(
+            [h.state.transfer_count() if f else 0 for h, f in zip(rows, fixed, strict=True)]
+        )
+        scheduled = top_k_commit(result.confidence, candidate, counts.to(self.device))
+        committed = torch.where(
+            torch.tensor(fixed).to(self.device)[:, None], scheduled, result.committed
+        )
+        ids.copy_(torch.where(committed, result.x0, self.config.mask_token_id))
+        return result._replace(committed=committed, counts=committed.sum(dim=1))
 
     def _advance(
         self, entry: StepEntry, h: _Held, picked: list[tuple[int, int]], stats: list[float]
