@@ -76,8 +76,8 @@ class RankProcess:
 
     def signal(self, sig: int) -> None:
         with self._lock:
-            if self._process is None:
-                self._killed = sig == signal.SIGKILL
+            if self._process is None:  # killed before it started: never start it
+                self._killed = self._killed or sig == signal.SIGKILL
             elif self._process.poll() is None:
                 self._process.send_signal(sig)
 
