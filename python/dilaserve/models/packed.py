@@ -101,10 +101,13 @@ def attend(
         if len(set(lengths)) == 1 and len(set(q_lengths)) == 1:
             return _sdpa(_rows(q, rows), _rows(k, rows), _rows(v, rows)).reshape(q.shape)
         keys, values = list(k.split(lengths)), list(v.split(lengths))
-    out = torch.empty_like(q)
-    for qi, ki, vi, oi in zip(q.split(q_lengths), keys, values, out.split(q_lengths), strict=True):
-        oi.copy_(_sdpa(qi[None], ki[None], vi[None])[0])
-    return out
+    # Out of place, so training (autograd) runs the same path.
+    return torch.cat(
+        [
+            _sdpa(qi[None], ki[None], vi[None])[0]
+            for qi, ki, vi in zip(q.split(q_lengths), keys, values, strict=True)
+        ]
+    )
 
 
 def _rows(x: torch.Tensor, rows: int) -> torch.Tensor:
