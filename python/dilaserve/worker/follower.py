@@ -1,9 +1,10 @@
 """What the ranks other than 0 of a tensor-parallel instance do: run the step plans rank 0
 broadcasts on their shard of the model and contribute their vocabulary partials.
 
-They hold no request state at all — no token state, no slot bookkeeping — only their part
-of every layer's weights and their heads of the KV pool; rank 0's runner decides every
-slot and position, so the pools of all ranks stay in step by construction.
+They hold no request state at all — no token state, no extent bookkeeping — only their
+part of every layer's weights and their heads of the KV pool; rank 0's runner decides every
+pool row, and replays its compactions to them (`PlanOp.MOVE`), so the pools of all ranks
+stay in step by construction.
 """
 
 from __future__ import annotations
