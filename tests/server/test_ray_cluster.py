@@ -1,7 +1,7 @@
 """Serving on a Ray cluster: three Ray nodes in this process tree
 (`ray.cluster_utils.Cluster`), each offering two units of a custom `slot` resource that
 stands in for GPUs. One server runs through the module, in order: its instances placed
-across nodes with no tensor-parallel group spanning two, answers over HTTP, a node removed
+across nodes with no tensor-parallel group spanning two, answers over HTTP, a node killed
 under load with nothing lost and a replan for the smaller cluster, and a node added and
 used after the replan. No assertion depends on speed."""
 
@@ -42,7 +42,17 @@ def params(problem) -> GenerationParams:
 def cluster() -> Iterator[Cluster]:
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 1, "resources": SLOTS, "include_dashboard": False},
+        head_node_args={
+            "num_cpus": 1,
+            "resources": SLOTS,
+            "include_dashboard": False,
+            # A killed node is declared dead after ~10 s of missed health checks (Ray's
+            # default: ~15 s), with room for a busy machine's late answers.
+            "_system_config": {
+                "health_check_period_ms": 1000,
+                "health_check_failure_threshold": 10,
+            },
+        },
     )
     for _ in range(2):
         cluster.add_node(num_cpus=0, resources=SLOTS)
@@ -149,10 +159,13 @@ def test_node_removed_under_load_loses_nothing_and_replans(live, cluster):
         await engine.reconfigurer.nodes_settled()
         return outputs
 
-    outputs = _while_running(live, scenario(), loaded, lambda: cluster.remove_node(victim))
+    outputs = _while_running(
+        live, scenario(), loaded, lambda: cluster.remove_node(victim, allow_graceful=False)
+    )
     assert all(check(p, o.text) for p, o in zip(problems, outputs, strict=True))
     assert busiest not in launcher.node_slots(0)
     assert all(i.node != busiest for i in engine.instances.values())
+    assert engine.restarts == 0  # lost with its node, not restarted there
     plan = engine.reconfigurer.last_plan  # planned for the two nodes left
     assert plan is not None and plan.adopted and plan.transition is not None
     assert {i.node for i in plan.transition.instances} <= {0, 1}

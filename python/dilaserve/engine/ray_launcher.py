@@ -30,7 +30,7 @@ import time
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -118,18 +118,34 @@ class RayInstance(WorkerHandle):
 
     async def _wait_all(self) -> int:
         try:
-            exits = [self._exit_code(ref) for ref in self._exits]
+            exits = [
+                self._exit_code(r, ref) for r, ref in zip(self.ranks, self._exits, strict=True)
+            ]
             return await wait_group(exits, self.kill, self.GRACE_S, self.spec.instance)
         finally:
             _release(self.ranks, self.group)
 
-    async def _exit_code(self, ref: ray.ObjectRef) -> int:
+    async def _exit_code(self, rank: Any, ref: ray.ObjectRef) -> int:
         try:
             return await _awaitable(ref)
         except RayActorError as exc:
-            log.warning("instance %d: a rank's actor died: %s", self.spec.instance, exc)
+            log.warning("instance %d: a rank's actor is lost: %s", self.spec.instance, exc)
+            await self._settled(rank)
             await self._launcher.refresh()
             return ACTOR_LOST_EXIT
+
+    async def _settled(self, rank: Any) -> None:
+        """Waits until Ray knows whether an unreachable rank's actor is dead: a node that
+        vanished is declared dead only once its health checks fail, and until then the
+        engine must not restart the instance there."""
+        while True:
+            try:
+                await _awaitable(rank.node_id.remote())
+                return
+            except ActorUnavailableError:
+                await asyncio.sleep(self._launcher.poll_s)
+            except RayActorError:
+                return
 
     def terminate(self) -> None:
         # Rank 0 drains the instance and then stops the other ranks itself.
