@@ -127,6 +127,9 @@ class Reconfigurer:
             return None
         async with self._lock:
             node_gpus, keys = self.layout()
+            if not node_gpus:
+                log.warning("replan: no node is left to plan for")
+                return None
             current, ids = self.deployment(keys)
             caching = c.cache is not CacheMode.NONE
             inputs = PlannerInputs(
