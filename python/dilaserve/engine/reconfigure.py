@@ -90,9 +90,10 @@ class Reconfigurer:
 
     def initial_placement(self, degrees: Sequence[int]) -> list[tuple[int, tuple[int, ...], int]]:
         """Where the engine's first instances go, as `(tp, devices, node key)`: consecutive
-        slots of the one local node, or the planner's Stage-2 placement on a cluster."""
+        slots of one node that holds them all, else the planner's Stage-2 placement (which
+        raises `PlannerInputError` when they do not fit on the nodes)."""
         node_gpus, keys = self.layout()
-        if len(keys) == 1:
+        if len(keys) == 1 and node_gpus[0] >= sum(degrees):
             starts = itertools.accumulate(degrees[:-1], initial=0)
             return [
                 (tp, tuple(range(s, s + tp)), keys[0])
