@@ -1,6 +1,9 @@
-//! Latency profiles: measured seconds of one denoising step per TP degree, step kind and
-//! batch-token count (DESIGN §2). Every estimate the scheduler and the planner make goes
-//! through `LatencyProfile::latency`, so interpolation lives in exactly one place.
+//! Latency profiles: measured seconds of one denoising step per TP degree, step kind,
+//! batch-token count and, where measured, cached-context length (DESIGN §2). A cache step
+//! feeds few tokens but attends to every cached one, so its cost grows with the context
+//! even at a fixed batch size. Interpolation lives in `table`, in exactly one place.
+
+mod table;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -9,8 +12,12 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
+pub use self::table::{interpolate_context, ContextTables, LatencyTable};
+
 /// Format version written by `dilaserve profile`; bumped on incompatible changes.
-pub const PROFILE_FORMAT_VERSION: u32 = 1;
+/// Version 2 added the optional per-table `context`; version-1 files still load.
+pub const PROFILE_FORMAT_VERSION: u32 = 2;
+const READABLE_VERSIONS: [u32; 2] = [1, 2];
 
 /// What one denoising step computes, which decides its cost.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -79,7 +86,10 @@ pub enum ProfileError {
         kind: StepKind,
         index: usize,
     },
-    #[error("latency table for tp={tp} kind={kind} appears twice")]
+    #[error(
+        "latency table for tp={tp} kind={kind} appears twice (or mixes tables with and \
+         without a context length)"
+    )]
     Duplicate { tp: u32, kind: StepKind },
     #[error("TP degree must be at least 1, got {0}")]
     BadDegree(u32),
@@ -89,75 +99,19 @@ pub enum ProfileError {
     MissingKind { tp: u32, kind: StepKind },
 }
 
-/// Measured `(batch tokens, seconds)` points of one (TP degree, step kind), sorted by tokens.
-#[derive(Clone, Debug, PartialEq)]
-pub struct LatencyTable {
-    tokens: Vec<f64>,
-    seconds: Vec<f64>,
-}
-
-impl LatencyTable {
-    fn new(tp: u32, kind: StepKind, points: &[(u64, f64)]) -> Result<Self, ProfileError> {
-        if points.is_empty() {
-            return Err(ProfileError::EmptyTable { tp, kind });
-        }
-        let mut prev = 0u64;
-        for (index, &(tokens, secs)) in points.iter().enumerate() {
-            if tokens == 0 || tokens <= prev || !secs.is_finite() || secs <= 0.0 {
-                return Err(ProfileError::BadPoint { tp, kind, index });
-            }
-            prev = tokens;
-        }
-        Ok(Self {
-            tokens: points.iter().map(|p| p.0 as f64).collect(),
-            seconds: points.iter().map(|p| p.1).collect(),
-        })
-    }
-
-    /// Seconds for a step over `tokens` batch tokens.
-    ///
-    /// Linear between measured points. Below the smallest point the step costs what the
-    /// smallest measured one did (fixed per-step overhead dominates small batches); above
-    /// the largest it grows along the last segment's slope, never decreasing.
-    pub fn latency(&self, tokens: f64) -> f64 {
-        let n = self.tokens.len();
-        if n == 1 || tokens <= self.tokens[0] {
-            if n == 1 && tokens > self.tokens[0] {
-                // One point: assume cost proportional to tokens beyond it.
-                return self.seconds[0] * tokens / self.tokens[0];
-            }
-            return self.seconds[0];
-        }
-        let hi = self.tokens.partition_point(|&t| t < tokens).min(n - 1);
-        let lo = hi - 1;
-        let slope = (self.seconds[hi] - self.seconds[lo]) / (self.tokens[hi] - self.tokens[lo]);
-        if tokens > self.tokens[n - 1] {
-            return self.seconds[n - 1] + slope.max(0.0) * (tokens - self.tokens[n - 1]);
-        }
-        self.seconds[lo] + slope * (tokens - self.tokens[lo])
-    }
-
-    /// Measured points as `(tokens, seconds)`.
-    pub fn points(&self) -> impl Iterator<Item = (u64, f64)> + '_ {
-        self.tokens
-            .iter()
-            .zip(&self.seconds)
-            .map(|(&t, &s)| (t as u64, s))
-    }
-
-    /// Largest measured batch-token count.
-    pub fn max_tokens(&self) -> u64 {
-        self.tokens[self.tokens.len() - 1] as u64
-    }
-}
-
 /// Wire format of one table in the profile JSON.
 #[derive(Serialize, Deserialize)]
 struct TableJson {
     tp: u32,
     kind: StepKind,
+    /// Cached tokens per request the table was measured at; absent: context-free.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    context: Option<u64>,
     points: Vec<(u64, f64)>,
 }
+
+/// One table as the constructors take it: degree, kind, optional context, points.
+pub type TableSpec = (u32, StepKind, Option<u64>, Vec<(u64, f64)>);
 
 /// Wire format of the profile JSON file written by `dilaserve profile`.
 #[derive(Serialize, Deserialize)]
@@ -181,21 +135,47 @@ pub struct LatencyProfile {
     pub device: String,
     pub dtype: String,
     pub block_length: u32,
-    tables: BTreeMap<(u32, StepKind), LatencyTable>,
+    tables: BTreeMap<(u32, StepKind), ContextTables>,
 }
 
 impl LatencyProfile {
-    /// Builds a profile from `(tp, kind, points)` triples.
+    /// Builds a profile from context-free `(tp, kind, points)` triples.
     pub fn from_tables(
         tables: impl IntoIterator<Item = (u32, StepKind, Vec<(u64, f64)>)>,
     ) -> Result<Self, ProfileError> {
-        let mut map = BTreeMap::new();
-        for (tp, kind, points) in tables {
+        Self::from_context_tables(tables.into_iter().map(|(tp, k, p)| (tp, k, None, p)))
+    }
+
+    /// Builds a profile from `(tp, kind, context, points)`; a (tp, kind) has either one
+    /// context-free table or tables at distinct context lengths.
+    pub fn from_context_tables(
+        tables: impl IntoIterator<Item = TableSpec>,
+    ) -> Result<Self, ProfileError> {
+        let mut map: BTreeMap<(u32, StepKind), ContextTables> = BTreeMap::new();
+        for (tp, kind, context, points) in tables {
             if tp == 0 {
                 return Err(ProfileError::BadDegree(tp));
             }
-            let table = LatencyTable::new(tp, kind, &points)?;
-            if map.insert((tp, kind), table).is_some() {
+            if points.is_empty() {
+                return Err(ProfileError::EmptyTable { tp, kind });
+            }
+            let table = LatencyTable::new(&points).map_err(|index| ProfileError::BadPoint {
+                tp,
+                kind,
+                index,
+            })?;
+            let inserted = match map.get_mut(&(tp, kind)) {
+                Some(existing) => existing.insert(context, table),
+                None => {
+                    let fresh = match context {
+                        Some(c) => ContextTables::with_context(c, table),
+                        None => ContextTables::context_free(table),
+                    };
+                    map.insert((tp, kind), fresh);
+                    true
+                }
+            };
+            if !inserted {
                 return Err(ProfileError::Duplicate { tp, kind });
             }
         }
@@ -210,14 +190,17 @@ impl LatencyProfile {
 
     pub fn from_json(text: &str) -> Result<Self, ProfileError> {
         let raw: ProfileJson = serde_json::from_str(text)?;
-        if raw.version != PROFILE_FORMAT_VERSION {
+        if !READABLE_VERSIONS.contains(&raw.version) {
             return Err(ProfileError::Version {
                 found: raw.version,
                 expected: PROFILE_FORMAT_VERSION,
             });
         }
-        let mut profile =
-            Self::from_tables(raw.tables.into_iter().map(|t| (t.tp, t.kind, t.points)))?;
+        let mut profile = Self::from_context_tables(
+            raw.tables
+                .into_iter()
+                .map(|t| (t.tp, t.kind, t.context, t.points)),
+        )?;
         profile.model = raw.model;
         profile.device = raw.device;
         profile.dtype = raw.dtype;
@@ -244,10 +227,13 @@ impl LatencyProfile {
             tables: self
                 .tables
                 .iter()
-                .map(|(&(tp, kind), t)| TableJson {
-                    tp,
-                    kind,
-                    points: t.points().collect(),
+                .flat_map(|(&(tp, kind), t)| {
+                    t.slices().map(move |(context, table)| TableJson {
+                        tp,
+                        kind,
+                        context,
+                        points: table.points().collect(),
+                    })
                 })
                 .collect(),
         };
@@ -261,8 +247,8 @@ impl LatencyProfile {
         d
     }
 
-    /// The table of one (TP degree, step kind), or a typed error naming what is missing.
-    pub fn table(&self, tp: u32, kind: StepKind) -> Result<&LatencyTable, ProfileError> {
+    /// The tables of one (TP degree, step kind), or a typed error naming what is missing.
+    pub fn table(&self, tp: u32, kind: StepKind) -> Result<&ContextTables, ProfileError> {
         self.tables.get(&(tp, kind)).ok_or_else(|| {
             let available = self.degrees();
             if available.contains(&tp) {
@@ -273,9 +259,24 @@ impl LatencyProfile {
         })
     }
 
-    /// Seconds for one `kind` step over `tokens` batch tokens on a TP-`tp` instance.
+    /// Seconds for one `kind` step over `batch_tokens` fed tokens on a TP-`tp` instance
+    /// whose requests hold `context_tokens` cached tokens each (ignored by context-free
+    /// tables; see [`interpolate_context`] between and beyond measured contexts).
+    pub fn step_time(
+        &self,
+        tp: u32,
+        kind: StepKind,
+        batch_tokens: f64,
+        context_tokens: f64,
+    ) -> Result<f64, ProfileError> {
+        Ok(self.table(tp, kind)?.latency(batch_tokens, context_tokens))
+    }
+
+    /// Seconds for one `kind` step over `tokens` batch tokens, at the shortest measured
+    /// context: exact for full-sequence steps and context-free tables; use
+    /// [`Self::step_time`] where the context is known.
     pub fn latency(&self, tp: u32, kind: StepKind, tokens: f64) -> Result<f64, ProfileError> {
-        Ok(self.table(tp, kind)?.latency(tokens))
+        Ok(self.table(tp, kind)?.shortest().latency(tokens))
     }
 
     /// Checks that every degree in `degrees` has every kind in `kinds`.
@@ -309,7 +310,7 @@ mod tests {
     #[test]
     fn interpolates_between_points() {
         let p = profile();
-        let t = p.table(1, StepKind::NoCache).unwrap();
+        let t = p.table(1, StepKind::NoCache).unwrap().shortest();
         assert!((t.latency(64.0) - 0.010).abs() < 1e-12);
         assert!((t.latency(160.0) - 0.015).abs() < 1e-12);
         assert!((t.latency(640.0) - 0.040).abs() < 1e-12);
@@ -319,7 +320,7 @@ mod tests {
     #[test]
     fn clamps_below_and_extrapolates_above() {
         let p = profile();
-        let t = p.table(1, StepKind::NoCache).unwrap();
+        let t = p.table(1, StepKind::NoCache).unwrap().shortest();
         assert_eq!(t.latency(1.0), 0.010);
         // Last segment slope is 0.04 / 768 s per token.
         let expected = 0.060 + 0.04 / 768.0 * 1024.0;
@@ -398,6 +399,75 @@ mod tests {
             LatencyProfile::load("/nonexistent/profile.json"),
             Err(ProfileError::Io { .. })
         ));
+    }
+
+    fn with_contexts() -> LatencyProfile {
+        LatencyProfile::from_context_tables([
+            (
+                1,
+                StepKind::Cache,
+                Some(1024),
+                vec![(32, 0.010), (64, 0.014)],
+            ),
+            (
+                1,
+                StepKind::Cache,
+                Some(256),
+                vec![(32, 0.004), (64, 0.006)],
+            ),
+            (1, StepKind::Recompute, None, vec![(100, 0.02)]),
+        ])
+        .unwrap()
+    }
+
+    #[test]
+    fn cache_step_cost_grows_with_context() {
+        let p = with_contexts();
+        let at = |tokens, context| p.step_time(1, StepKind::Cache, tokens, context).unwrap();
+        assert_eq!(
+            p.table(1, StepKind::Cache).unwrap().contexts(),
+            vec![256, 1024]
+        );
+        assert!((at(32.0, 256.0) - 0.004).abs() < 1e-12);
+        assert!((at(32.0, 640.0) - 0.007).abs() < 1e-12);
+        assert!((at(64.0, 1024.0) - 0.014).abs() < 1e-12);
+        // Below the shortest context: the shortest; beyond the longest: its slope.
+        assert_eq!(at(32.0, 10.0), 0.004);
+        assert!((at(32.0, 1792.0) - 0.016).abs() < 1e-12);
+        // Context-free tables ignore the context.
+        assert_eq!(
+            p.step_time(1, StepKind::Recompute, 100.0, 5e4).unwrap(),
+            0.02
+        );
+        assert_eq!(p.latency(1, StepKind::Cache, 32.0).unwrap(), 0.004);
+    }
+
+    #[test]
+    fn context_tables_round_trip_and_reject_mixing() {
+        let p = with_contexts();
+        let text = p.to_json();
+        assert!(text.contains("\"context\": 256"));
+        assert_eq!(LatencyProfile::from_json(&text).unwrap(), p);
+        for clash in [Some(256), None] {
+            let mixed = LatencyProfile::from_context_tables([
+                (1, StepKind::Cache, Some(256), vec![(32, 0.004)]),
+                (1, StepKind::Cache, clash, vec![(32, 0.005)]),
+            ]);
+            assert!(matches!(mixed, Err(ProfileError::Duplicate { .. })));
+        }
+    }
+
+    #[test]
+    fn version_one_files_and_the_shipped_profile_load() {
+        let v1 = r#"{"version":1,"tables":[{"tp":1,"kind":"cache","points":[[32,0.01]]}]}"#;
+        let p = LatencyProfile::from_json(v1).unwrap();
+        assert!(p.table(1, StepKind::Cache).unwrap().contexts().is_empty());
+        let shipped = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/python/dilaserve/profiles/llada8b_h100_simulated.json"
+        );
+        let p = LatencyProfile::load(shipped).unwrap();
+        assert_eq!(p.degrees(), vec![1, 2, 4, 8]);
     }
 
     #[test]

@@ -27,8 +27,14 @@ impl From<ProfileError> for PyErr {
 
 /// Unsigned arguments of a profile raise `LatencyProfileError` when out of range.
 type Count<T> = Unsigned<T, LatencyProfileError>;
-/// One `(tp, kind, [(tokens, seconds), ...])` table as Python passes it.
-type TableArg = (Count<u32>, String, Vec<(Count<u64>, f64)>);
+/// One `(tp, kind, [(tokens, seconds), ...])` table as Python passes it, optionally with
+/// the context length it was measured at as a fourth item.
+type TableArg = (
+    Count<u32>,
+    String,
+    Vec<(Count<u64>, f64)>,
+    Option<Count<u64>>,
+);
 
 /// Measured per-step latency by TP degree, step kind and batch tokens.
 #[pyclass(name = "LatencyProfile", module = "dilaserve._core", frozen)]
@@ -54,18 +60,31 @@ impl PyLatencyProfile {
         })
     }
 
-    /// Builds a profile from `(tp, kind, [(tokens, seconds), ...])` triples.
+    /// Builds a profile from `(tp, kind, [(tokens, seconds), ...])` triples, or
+    /// `(tp, kind, points, context)` for tables measured at a cached-context length.
     #[staticmethod]
-    fn from_tables(tables: Vec<TableArg>) -> PyResult<Self> {
+    fn from_tables(tables: Vec<Bound<'_, PyAny>>) -> PyResult<Self> {
         let parsed = tables
             .into_iter()
-            .map(|(tp, kind, points)| {
+            .map(|item| {
+                let (tp, kind, points, context): TableArg = match item.len()? {
+                    3 => {
+                        let (tp, kind, points) = item.extract()?;
+                        (tp, kind, points, None)
+                    }
+                    _ => item.extract()?,
+                };
                 let points = points.into_iter().map(|(t, s)| (t.0, s)).collect();
-                Ok((tp.0, kind.parse::<StepKind>()?, points))
+                Ok((
+                    tp.0,
+                    kind.parse::<StepKind>()?,
+                    context.map(|c| c.0),
+                    points,
+                ))
             })
-            .collect::<Result<Vec<_>, ProfileError>>()?;
+            .collect::<PyResult<Vec<_>>>()?;
         Ok(Self {
-            inner: LatencyProfile::from_tables(parsed)?,
+            inner: LatencyProfile::from_context_tables(parsed)?,
         })
     }
 
@@ -73,14 +92,54 @@ impl PyLatencyProfile {
         self.inner.to_json()
     }
 
-    /// Seconds for one `kind` step over `tokens` batch tokens on a TP-`tp` instance.
+    /// Seconds for one `kind` step over `tokens` batch tokens on a TP-`tp` instance, at
+    /// the shortest measured context.
     fn latency(&self, tp: Count<u32>, kind: &str, tokens: f64) -> PyResult<f64> {
         Ok(self.inner.latency(tp.0, kind.parse()?, tokens)?)
     }
 
-    /// Measured `(tokens, seconds)` points of one table.
-    fn points(&self, tp: Count<u32>, kind: &str) -> PyResult<Vec<(u64, f64)>> {
-        Ok(self.inner.table(tp.0, kind.parse()?)?.points().collect())
+    /// Seconds for one `kind` step over `batch_tokens` fed tokens whose requests hold
+    /// `context_tokens` cached tokens each.
+    fn step_time(
+        &self,
+        tp: Count<u32>,
+        kind: &str,
+        batch_tokens: f64,
+        context_tokens: f64,
+    ) -> PyResult<f64> {
+        Ok(self
+            .inner
+            .step_time(tp.0, kind.parse()?, batch_tokens, context_tokens)?)
+    }
+
+    /// Context lengths one table was measured at (empty: context-free).
+    fn contexts(&self, tp: Count<u32>, kind: &str) -> PyResult<Vec<u64>> {
+        Ok(self.inner.table(tp.0, kind.parse()?)?.contexts())
+    }
+
+    /// Measured `(tokens, seconds)` points of one table, at `context` where the table was
+    /// measured at several (default: the shortest).
+    #[pyo3(signature = (tp, kind, context=None))]
+    fn points(
+        &self,
+        tp: Count<u32>,
+        kind: &str,
+        context: Option<Count<u64>>,
+    ) -> PyResult<Vec<(u64, f64)>> {
+        let tables = self.inner.table(tp.0, kind.parse()?)?;
+        let Some(context) = context else {
+            return Ok(tables.shortest().points().collect());
+        };
+        tables
+            .slices()
+            .find(|(c, _)| *c == Some(context.0))
+            .map(|(_, t)| t.points().collect())
+            .ok_or_else(|| {
+                LatencyProfileError::new_err(format!(
+                    "no {kind} table at context {} for TP degree {}",
+                    context.0, tp.0
+                ))
+            })
     }
 
     fn degrees(&self) -> Vec<u32> {

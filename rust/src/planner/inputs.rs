@@ -134,21 +134,28 @@ pub struct PlannerInputs {
 }
 
 /// A class with the numbers the models use: per step kind, tokens per step and steps per
-/// request at each threshold (ascending threshold order).
+/// request at each threshold (ascending threshold order); per option and step kind, the
+/// seconds of a step (its batch's latency at the class's context) and the instance-seconds
+/// one step occupies (its tokens' share of the batch), and whether the step fits the batch.
 #[derive(Clone, Debug)]
 pub(crate) struct ClassData {
     pub rate: f64,
+    /// Prompt plus block-padded output: the context every step attends to.
+    pub sequence: f64,
     pub tokens: Vec<f64>,
     pub steps: Vec<Vec<f64>>,
+    pub latency: Vec<Vec<f64>>,
+    pub busy: Vec<Vec<f64>>,
+    pub fits: Vec<Vec<bool>>,
 }
 
-/// One (TP degree, batch size) choice with the per-step-kind latency and seconds per token.
+/// One (TP degree, batch size) choice.
 #[derive(Clone, Debug)]
 pub(crate) struct BatchOption {
     pub degree_index: usize,
     pub batch: u64,
-    pub latency: Vec<f64>,
-    pub secs_per_token: Vec<f64>,
+    /// Seconds per token of a full batch of the first step kind (reported throughput).
+    pub full_secs_per_token: f64,
 }
 
 /// Validated planner inputs.
@@ -363,11 +370,12 @@ fn class_data(
     if !positive(class.rate) {
         return Err(bad("rate must be positive"));
     }
-    let sequence = class.prompt_tokens + class.output_tokens;
+    // Workers decode whole blocks: the output a request occupies is padded to them.
+    let output = (class.output_tokens / block_length).ceil() * block_length;
+    let sequence = class.prompt_tokens + output;
     let per_threshold = |f: &dyn Fn(f64) -> f64| -> Vec<f64> {
         thresholds.iter().map(|t| f(t.tokens_per_step)).collect()
     };
-    let output = class.output_tokens;
     let (tokens, steps) = if caching {
         // One recompute step per block over the whole sequence; the rest of each block's
         // steps are cache steps over the block's positions.
@@ -384,9 +392,43 @@ fn class_data(
     };
     Ok(ClassData {
         rate: class.rate,
+        sequence,
         tokens,
         steps,
+        latency: Vec::new(),
+        busy: Vec::new(),
+        fits: Vec::new(),
     })
+}
+
+/// Fills a class's per-option step costs. A step whose tokens exceed the batch size cannot
+/// run at that batch size (the scheduler never puts more than the budget in one batch).
+fn class_costs(
+    class: &mut ClassData,
+    options: &[BatchOption],
+    profile: &LatencyProfile,
+    degrees: &[u32],
+    kinds: &[StepKind],
+) -> Result<(), PlannerError> {
+    for option in options {
+        let batch = option.batch as f64;
+        let latency = kinds
+            .iter()
+            .map(|&k| profile.step_time(degrees[option.degree_index], k, batch, class.sequence))
+            .collect::<Result<Vec<f64>, _>>()?;
+        class.busy.push(
+            latency
+                .iter()
+                .zip(&class.tokens)
+                .map(|(l, tokens)| tokens * l / batch)
+                .collect(),
+        );
+        class
+            .fits
+            .push(class.tokens.iter().map(|&t| t <= batch).collect());
+        class.latency.push(latency);
+    }
+    Ok(())
 }
 
 fn batch_options(
@@ -399,16 +441,11 @@ fn batch_options(
     let mut options = Vec::with_capacity(degrees.len() * batches.len());
     for (degree_index, &degree) in degrees.iter().enumerate() {
         for &batch in batches {
-            let latency = kinds
-                .iter()
-                .map(|&k| profile.latency(degree, k, batch as f64))
-                .collect::<Result<Vec<f64>, _>>()?;
-            let secs_per_token = latency.iter().map(|l| l / batch as f64).collect();
+            let full = profile.latency(degree, kinds[0], batch as f64)?;
             options.push(BatchOption {
                 degree_index,
                 batch,
-                latency,
-                secs_per_token,
+                full_secs_per_token: full / batch as f64,
             });
         }
     }
@@ -502,21 +539,31 @@ pub(crate) fn validate(
     } else {
         vec![StepKind::NoCache]
     };
+    let options = batch_options(profile, &degrees, &batches, &kinds)?;
+    let largest = batches.last().copied().unwrap_or(0) as f64;
     let classes = inputs
         .classes
         .iter()
         .enumerate()
         .map(|(i, c)| {
-            class_data(
+            let mut class = class_data(
                 i,
                 c,
                 &thresholds,
                 config.caching,
                 config.block_length as f64,
-            )
+            )?;
+            if class.sequence > largest {
+                return Err(PlannerError::BadClass {
+                    index: i,
+                    reason: "its prompt plus block-padded output exceeds every candidate \
+                             batch size, so no instance could run one of its steps",
+                });
+            }
+            class_costs(&mut class, &options, profile, &degrees, &kinds)?;
+            Ok(class)
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let options = batch_options(profile, &degrees, &batches, &kinds)?;
     if let Some(current) = &inputs.current {
         validate_deployment(current, &inputs.node_gpus, &degrees, &batches)?;
     }

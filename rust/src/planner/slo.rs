@@ -1,5 +1,6 @@
 //! The SLO convention of the evaluation (DESIGN §9): a multiple of the mean latency of a
-//! request served alone on a TP-1 instance at the highest candidate threshold.
+//! request served alone on a TP-1 instance at the highest candidate threshold, with its
+//! output padded to whole blocks and its cache steps attending to its whole sequence.
 
 use super::classes::Arrival;
 use super::error::PlannerError;
@@ -31,13 +32,15 @@ pub fn mean_isolated_latency(
     let block = block_length as f64;
     let mut total = 0.0;
     for a in arrivals {
-        let sequence = (a.prompt_tokens + a.output_tokens) as f64;
-        let output = a.output_tokens as f64;
+        // The worker decodes whole blocks, so the output it runs is padded to them.
+        let blocks = (a.output_tokens as f64 / block).ceil();
+        let output = blocks * block;
+        let sequence = a.prompt_tokens as f64 + output;
         let steps = output / top.tokens_per_step;
         total += if caching {
-            let blocks = output / block;
-            blocks * profile.latency(1, StepKind::Recompute, sequence)?
-                + (steps - blocks).max(0.0) * profile.latency(1, StepKind::Cache, block)?
+            blocks * profile.step_time(1, StepKind::Recompute, sequence, sequence)?
+                + (steps - blocks).max(0.0)
+                    * profile.step_time(1, StepKind::Cache, block, sequence)?
         } else {
             steps * profile.latency(1, StepKind::NoCache, sequence)?
         };
@@ -70,9 +73,35 @@ mod tests {
             threshold: 0.9,
             tokens_per_step: 2.0,
         };
-        let t = mean_isolated_latency(&profile, &arrivals, top, false, 32).unwrap();
+        let t = mean_isolated_latency(&profile, &arrivals, top, false, 25).unwrap();
         // 25 steps × 0.01 s and 50 steps × 0.02 s.
         assert!((t - (0.25 + 1.0) / 2.0).abs() < 1e-12);
-        assert!(mean_isolated_latency(&profile, &arrivals, top, true, 32).is_err());
+        assert!(mean_isolated_latency(&profile, &arrivals, top, true, 25).is_err());
+    }
+
+    #[test]
+    fn outputs_pad_to_whole_blocks_and_cache_steps_see_the_context() {
+        let profile = LatencyProfile::from_context_tables([
+            (1, StepKind::NoCache, None, vec![(100, 0.01), (200, 0.02)]),
+            (1, StepKind::Recompute, None, vec![(100, 0.01), (200, 0.02)]),
+            (1, StepKind::Cache, Some(100), vec![(32, 0.001)]),
+            (1, StepKind::Cache, Some(200), vec![(32, 0.003)]),
+        ])
+        .unwrap();
+        // 40 output tokens run as 64: 32 steps over a 124-token sequence.
+        let one = [Arrival {
+            time: 0.0,
+            prompt_tokens: 60,
+            output_tokens: 40,
+        }];
+        let top = ThresholdOption {
+            threshold: 0.9,
+            tokens_per_step: 2.0,
+        };
+        let t = mean_isolated_latency(&profile, &one, top, false, 32).unwrap();
+        assert!((t - 32.0 * 0.0124).abs() < 1e-12);
+        // Caching: 2 recompute steps and 30 cache steps attending to 124 tokens.
+        let t = mean_isolated_latency(&profile, &one, top, true, 32).unwrap();
+        assert!((t - (2.0 * 0.0124 + 30.0 * 0.00148)).abs() < 1e-12);
     }
 }

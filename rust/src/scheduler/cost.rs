@@ -3,9 +3,12 @@
 //! Measured tables can dip where a larger batch happened to run faster; the scheduler uses
 //! their running maximum so that cost never decreases with batch tokens *(ours)*, and it
 //! interpolates them so that this holds exactly in floating point too: instance choice
-//! prunes its search with lower bounds that rely on it (see `choice_tree`).
+//! prunes its search with lower bounds that rely on it (see `choice_tree`). Cache steps also
+//! depend on the cached context they attend to; where the profile measured several context
+//! lengths the cost interpolates between them.
 
-use crate::profile::{LatencyProfile, ProfileError, StepKind};
+use super::predictor::StepsLeft;
+use crate::profile::{interpolate_context, LatencyProfile, LatencyTable, ProfileError, StepKind};
 
 /// A latency table made non-decreasing, interpolated like [`crate::profile::LatencyTable`]
 /// but with each segment's value clamped between its end points, so that rounding never
@@ -17,17 +20,16 @@ struct MonotoneTable {
 }
 
 impl MonotoneTable {
-    fn new(profile: &LatencyProfile, tp: u32, kind: StepKind) -> Result<Self, ProfileError> {
+    fn new(table: &LatencyTable) -> Self {
         let mut worst = 0.0f64;
-        let (tokens, seconds) = profile
-            .table(tp, kind)?
+        let (tokens, seconds) = table
             .points()
             .map(|(tokens, secs)| {
                 worst = worst.max(secs);
                 (tokens as f64, worst)
             })
             .unzip();
-        Ok(Self { tokens, seconds })
+        Self { tokens, seconds }
     }
 
     fn latency(&self, x: f64) -> f64 {
@@ -54,14 +56,46 @@ impl MonotoneTable {
     }
 }
 
+/// Non-decreasing cache-step tables at each measured context length (one, context-free,
+/// for profiles without that dimension).
+#[derive(Clone, Debug)]
+struct ContextCosts {
+    contexts: Vec<f64>,
+    tables: Vec<MonotoneTable>,
+}
+
+impl ContextCosts {
+    fn new(profile: &LatencyProfile, tp: u32, kind: StepKind) -> Result<Self, ProfileError> {
+        let measured = profile.table(tp, kind)?;
+        Ok(Self {
+            contexts: measured.contexts().iter().map(|&c| c as f64).collect(),
+            tables: measured
+                .slices()
+                .map(|(_, t)| MonotoneTable::new(t))
+                .collect(),
+        })
+    }
+
+    fn latency(&self, tokens: f64, context: f64) -> f64 {
+        interpolate_context(&self.contexts, context, |i| self.tables[i].latency(tokens))
+    }
+}
+
+/// Steps per block the predictions `steps` imply: all their steps over their recompute
+/// steps (one per remaining block); `None` when no block is left.
+pub fn steps_per_block(steps: impl Iterator<Item = StepsLeft>) -> Option<f64> {
+    let (total, blocks) = steps.fold((0.0, 0.0), |(t, b), s| (t + s.total(), b + s.recompute));
+    (blocks > 0.0).then(|| total / blocks)
+}
+
 /// Non-decreasing step-latency tables of one TP degree.
 #[derive(Clone, Debug)]
 pub struct DegreeCosts {
     pub tp: u32,
     /// Full-sequence steps: recompute steps with caching, no-cache steps without.
     full: MonotoneTable,
-    /// Block-only steps; present only with caching.
-    cache: Option<MonotoneTable>,
+    /// Block-only steps by cached context; present only with caching.
+    cache: Option<ContextCosts>,
     /// Full-sequence tokens per second at the best batch size within `default_budget`
     /// (no caching only; with caching throughput depends on sequence lengths).
     full_throughput: f64,
@@ -103,13 +137,17 @@ impl DegreeCosts {
         caching: bool,
         max_batch_tokens: u64,
     ) -> Result<Self, ProfileError> {
-        let (full, cache) = if caching {
-            (
-                MonotoneTable::new(profile, tp, StepKind::Recompute)?,
-                Some(MonotoneTable::new(profile, tp, StepKind::Cache)?),
-            )
+        let full_kind = if caching {
+            StepKind::Recompute
         } else {
-            (MonotoneTable::new(profile, tp, StepKind::NoCache)?, None)
+            StepKind::NoCache
+        };
+        // A full-sequence step's batch tokens are its context, so its table has none.
+        let full = MonotoneTable::new(profile.table(tp, full_kind)?.shortest());
+        let cache = if caching {
+            Some(ContextCosts::new(profile, tp, StepKind::Cache)?)
+        } else {
+            None
         };
         let full_throughput = best_full_rate(&full, max_batch_tokens as f64);
         Ok(Self {
@@ -126,23 +164,25 @@ impl DegreeCosts {
         self.full.latency(tokens)
     }
 
-    /// Seconds of a cache step over `tokens` batch tokens (full-step cost without caching).
-    pub fn cache(&self, tokens: f64) -> f64 {
+    /// Seconds of a cache step over `tokens` batch tokens whose requests hold `context`
+    /// tokens each (full-step cost without caching).
+    pub fn cache(&self, tokens: f64, context: f64) -> f64 {
         match &self.cache {
-            Some(t) => t.latency(tokens),
+            Some(t) => t.latency(tokens, context),
             None => self.full.latency(tokens),
         }
     }
 
     /// Seconds of a batch holding `full_tokens` full-sequence and `cache_tokens` cache-step
-    /// tokens: the two shapes run as separate forwards.
-    pub fn batch(&self, full_tokens: u64, cache_tokens: u64) -> f64 {
+    /// tokens, the latter over requests of `context` tokens: the two shapes run as separate
+    /// forwards.
+    pub fn batch(&self, full_tokens: u64, cache_tokens: u64, context: f64) -> f64 {
         let mut secs = 0.0;
         if full_tokens > 0 {
             secs += self.full(full_tokens as f64);
         }
         if cache_tokens > 0 {
-            secs += self.cache(cache_tokens as f64);
+            secs += self.cache(cache_tokens as f64, context);
         }
         secs
     }
@@ -150,13 +190,21 @@ impl DegreeCosts {
     /// Load tokens (DESIGN §5 units) one instance with `limits` processes per second.
     ///
     /// Without caching: the best `b / LP(b)` for `b` within the batch budget. With caching,
-    /// the per-block mix of DESIGN §5: `max_seqs` requests of `mean_seq_tokens` each run
-    /// `B − 1` cache steps and one recompute step per block, where *(ours)* `max_seqs` is
-    /// how many mean-length sequences fit the batch budget.
+    /// the per-block mix of DESIGN §5 at the predicted `steps_per_block` (DESIGN writes
+    /// `B − 1` cache steps, which holds only at one token per step): `max_seqs` requests of
+    /// `mean_seq_tokens` each run `steps_per_block − 1` cache steps (attending to their
+    /// whole sequence) and one recompute step per block, where *(ours)* `max_seqs` is how
+    /// many mean-length sequences fit the batch budget.
     ///
     /// *(ours)* Resident capacity bounds both: the requests in a batch are resident, so a
     /// step holds at most `kv_tokens` tokens and `max_requests` sequences.
-    pub fn throughput(&self, mean_seq_tokens: f64, block: u32, limits: Limits) -> f64 {
+    pub fn throughput(
+        &self,
+        mean_seq_tokens: f64,
+        block: u32,
+        steps_per_block: f64,
+        limits: Limits,
+    ) -> f64 {
         let seq = mean_seq_tokens.max(1.0);
         let mut room = limits.budget as f64;
         if let Some(kv) = limits.kv_tokens {
@@ -176,8 +224,9 @@ impl DegreeCosts {
         if let Some(m) = limits.max_requests {
             max_seqs = max_seqs.min(f64::from(m));
         }
-        let tokens = b * max_seqs * (b - 1.0) + max_seqs * seq;
-        let secs = cache.latency(b * max_seqs) * (b - 1.0) + self.full(max_seqs * seq);
+        let cache_steps = (steps_per_block.min(b) - 1.0).max(0.0);
+        let tokens = b * max_seqs * cache_steps + max_seqs * seq;
+        let secs = cache.latency(b * max_seqs, seq) * cache_steps + self.full(max_seqs * seq);
         tokens / secs
     }
 }
@@ -240,19 +289,69 @@ mod tests {
     fn throughput_without_caching_is_best_point_within_budget() {
         let c = DegreeCosts::new(&profile(), 1, false, 400).unwrap();
         // 100/0.01 = 10k, 200/0.01 = 20k, 400/0.03 = 13.3k tokens/s.
-        assert!((c.throughput(0.0, 32, Limits::budget(400)) - 20_000.0).abs() < 1e-6);
+        assert!((c.throughput(0.0, 32, 32.0, Limits::budget(400)) - 20_000.0).abs() < 1e-6);
         let small = DegreeCosts::new(&profile(), 1, false, 150).unwrap();
-        assert!((small.throughput(0.0, 32, Limits::budget(150)) - 15_000.0).abs() < 1e-6);
+        assert!((small.throughput(0.0, 32, 32.0, Limits::budget(150)) - 15_000.0).abs() < 1e-6);
     }
 
     #[test]
     fn throughput_with_caching_mixes_block_steps() {
         let c = DegreeCosts::new(&profile(), 1, true, 1000).unwrap();
         // mean sequence 500 -> 2 sequences; 31 cache steps of 64 tokens + 1 recompute of 1000.
-        let expected = (32.0 * 2.0 * 31.0 + 1000.0) / (c.cache(64.0) * 31.0 + c.full(1000.0));
-        assert_eq!(c.throughput(500.0, 32, Limits::budget(1000)), expected);
-        assert_eq!(c.batch(1000, 64), c.full(1000.0) + c.cache(64.0));
-        assert_eq!(c.batch(0, 0), 0.0);
+        let cache = c.cache(64.0, 500.0);
+        let expected = (32.0 * 2.0 * 31.0 + 1000.0) / (cache * 31.0 + c.full(1000.0));
+        assert_eq!(
+            c.throughput(500.0, 32, 32.0, Limits::budget(1000)),
+            expected
+        );
+        assert_eq!(c.batch(1000, 64, 500.0), c.full(1000.0) + cache);
+        assert_eq!(c.batch(0, 0, 500.0), 0.0);
+    }
+
+    #[test]
+    fn cached_capacity_counts_predicted_steps_per_block() {
+        let c = DegreeCosts::new(&profile(), 1, true, 1000).unwrap();
+        // At 4 steps per block (8 tokens per step) a block is 3 cache steps + 1 recompute,
+        // not the 31 + 1 of one token per step.
+        let cache = c.cache(64.0, 500.0);
+        let expected = (32.0 * 2.0 * 3.0 + 1000.0) / (cache * 3.0 + c.full(1000.0));
+        let got = c.throughput(500.0, 32, 4.0, Limits::budget(1000));
+        assert_eq!(got, expected);
+        assert!(got != c.throughput(500.0, 32, 32.0, Limits::budget(1000)));
+        let steps = |cache, recompute| StepsLeft { cache, recompute };
+        let spb = steps_per_block([steps(6.0, 2.0), steps(3.0, 1.0)].into_iter());
+        assert_eq!(spb, Some(4.0));
+        assert_eq!(steps_per_block(std::iter::empty()), None);
+    }
+
+    #[test]
+    fn cache_cost_follows_the_cached_context() {
+        let p = LatencyProfile::from_context_tables([
+            (
+                1,
+                StepKind::Recompute,
+                None,
+                vec![(100, 0.010), (1000, 0.050)],
+            ),
+            (
+                1,
+                StepKind::Cache,
+                Some(256),
+                vec![(32, 0.002), (320, 0.004)],
+            ),
+            (
+                1,
+                StepKind::Cache,
+                Some(2048),
+                vec![(32, 0.006), (320, 0.012)],
+            ),
+        ])
+        .unwrap();
+        let c = DegreeCosts::new(&p, 1, true, 1000).unwrap();
+        assert_eq!(c.cache(32.0, 256.0), 0.002);
+        assert!((c.cache(32.0, 1152.0) - 0.004).abs() < 1e-12);
+        assert_eq!(c.cache(320.0, 2048.0), 0.012);
+        assert!(c.batch(0, 32, 2048.0) > c.batch(0, 32, 256.0));
     }
 
     #[test]
@@ -263,20 +362,21 @@ mod tests {
             kv_tokens: Some(150),
             ..Limits::budget(400)
         };
-        assert!((c.throughput(0.0, 32, kv) - 15_000.0).abs() < 1e-6);
+        assert!((c.throughput(0.0, 32, 32.0, kv) - 15_000.0).abs() < 1e-6);
         // One resident request of 100 tokens: batches of 100.
         let one = Limits {
             max_requests: Some(1),
             ..Limits::budget(400)
         };
-        assert!((c.throughput(100.0, 32, one) - 10_000.0).abs() < 1e-6);
+        assert!((c.throughput(100.0, 32, 32.0, one) - 10_000.0).abs() < 1e-6);
         let cached = DegreeCosts::new(&profile(), 1, true, 1000).unwrap();
         let two = Limits {
             max_requests: Some(1),
             ..Limits::budget(1000)
         };
-        let expected = (32.0 * 31.0 + 500.0) / (cached.cache(32.0) * 31.0 + cached.full(500.0));
-        assert_eq!(cached.throughput(500.0, 32, two), expected);
+        let cache = cached.cache(32.0, 500.0);
+        let expected = (32.0 * 31.0 + 500.0) / (cache * 31.0 + cached.full(500.0));
+        assert_eq!(cached.throughput(500.0, 32, 32.0, two), expected);
     }
 
     #[test]

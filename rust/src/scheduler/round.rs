@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use super::config::ThresholdPolicy;
-use super::cost::{DegreeCosts, Limits};
+use super::cost::{steps_per_block, DegreeCosts, Limits};
 use super::decisions::{
     Batch, BatchEntry, Decisions, Migration, MigrationReason, WaitReason, Waiting,
 };
@@ -129,12 +129,18 @@ impl Scheduler {
         let window = self.config.slo_window_s.unwrap_or(slo_sum / live as f64);
         let mean_seq = seq_sum / live as f64;
         let (block, max_tokens) = (self.config.block_length, self.config.max_batch_tokens);
+        // Steps per block at the thresholds requests may use now (their current caps).
+        let caps = self.requests.caps();
+        let spb = steps_per_block(
+            (0..self.requests.len()).map(|p| self.requests.steps_of(p as u32)[caps[p] as usize]),
+        )
+        .unwrap_or(f64::from(block));
         let throughput = &mut self.scratch.throughput;
         throughput.clear();
         throughput.extend(
             self.groups
                 .iter()
-                .map(|g| g.throughput(mean_seq, block, Limits::budget(max_tokens))),
+                .map(|g| g.throughput(mean_seq, block, spb, Limits::budget(max_tokens))),
         );
         let mut capacity = 0.0;
         for inst in &self.instances.slots {
@@ -145,7 +151,7 @@ impl Scheduler {
                         kv_tokens: inst.kv_tokens,
                         max_requests: inst.max_requests,
                     };
-                    self.groups[inst.group].throughput(mean_seq, block, limits)
+                    self.groups[inst.group].throughput(mean_seq, block, spb, limits)
                 } else {
                     throughput[inst.group]
                 };
@@ -385,7 +391,7 @@ impl Scheduler {
             inst.inflight_tokens = tokens;
             inst.next_tokens = 0;
             inst.started_at = now;
-            inst.predicted_s = costs.batch(full, tokens - full);
+            inst.predicted_s = costs.batch(full, tokens - full, mean_context(inst));
             scratch.prices[slot] = step_prices(costs, inst, config.caching, config.block_length);
             decisions.batches.push(Batch {
                 instance: inst.id,
@@ -469,6 +475,11 @@ fn wait_reason(placement: &mut Placement, instances: &[Instance], r: &Request) -
     }
 }
 
+/// Mean tokens per request resident on `inst`: the context its cache steps attend to.
+fn mean_context(inst: &Instance) -> f64 {
+    inst.resident_tokens as f64 / f64::from(inst.residents.max(1))
+}
+
 /// Expected seconds of each step shape on `inst` given the requests it now holds.
 pub(crate) fn step_prices(
     costs: &DegreeCosts,
@@ -478,7 +489,10 @@ pub(crate) fn step_prices(
 ) -> StepPrices {
     let full = costs.full(inst.resident_tokens as f64) * inst.factor;
     let cache = if caching {
-        costs.cache(f64::from(block) * f64::from(inst.residents)) * inst.factor
+        costs.cache(
+            f64::from(block) * f64::from(inst.residents),
+            mean_context(inst),
+        ) * inst.factor
     } else {
         full
     };

@@ -257,7 +257,7 @@ fn baselines_keep_their_threshold_and_infaas_never_migrates() {
 #[test]
 fn load_control_lowers_later_requests_first() {
     let config = SchedulerConfig {
-        slo_window_s: Some(4.0),
+        slo_window_s: Some(6.0),
         ..Default::default()
     };
     let mut s = Scheduler::new(profile(), config).unwrap();

@@ -5,9 +5,10 @@
 //! previous one's optimum (always feasible for the next); the first is warm-started from
 //! the running deployment when there is one:
 //!
-//! 1. *Quality*: serve all of the load, maximise the rate-weighted mean threshold. If no
-//!    configuration carries the load within the SLO (the MILP is infeasible, or a class is
-//!    too long for the SLO on any instance) the cluster is *overloaded*; then instead
+//! 1. *Quality*: serve all of the load, maximise the rate-weighted mean threshold; a class
+//!    too long for the SLO on any instance runs at the lowest threshold, planned for
+//!    throughput only, and the others keep their choice. If no configuration carries the
+//!    load (the MILP is infeasible) the cluster is *overloaded*; then instead
 //!    *Load*: every class at the lowest threshold, maximise the served share `α ≤ 1`. The
 //!    plan returned sustains the most load at the lowest threshold and says it is
 //!    overloaded; there is no arbitrary fallback.
@@ -198,13 +199,10 @@ impl<'a> Stage1<'a> {
     /// counts (to evaluate a deployment), warm-started where `warm` offers a point.
     pub fn solve(&self, fixed: Option<&Fixed>, warm: &Warm) -> Result<Solved, PlannerError> {
         let p = self.problem;
-        // Quality first: it is infeasible exactly when the cluster is overloaded.
-        let full_load = if self.exempt.iter().any(|&e| e) {
-            None
-        } else {
-            let spec = self.spec(Demand::Full, Goal::Quality, fixed);
-            self.phase(&spec, warm.quality.as_ref())?
-        };
+        // Quality first: it is infeasible exactly when the cluster is overloaded. Classes
+        // that cannot meet the SLO anywhere (`exempt`) sit at the lowest threshold in it.
+        let spec = self.spec(Demand::Full, Goal::Quality, fixed);
+        let full_load = self.phase(&spec, warm.quality.as_ref())?;
         let (demand, min_quality, best, vars, load_values) = match full_load {
             Some((point, vars)) => {
                 let q = quality(p, &vars).eval(&point.values);
@@ -238,9 +236,15 @@ impl<'a> Stage1<'a> {
             let weights = spare_weights(p, &vars, &slack_point.values);
             let mut spare = self.spec(demand, Goal::Spare(weights), None);
             spare.pin = Some(&slack_point.values);
-            let (point, _) = self.feasible_phase(&spare, Some(&slack_point))?;
-            status = status.worst(point.status);
-            point
+            // Every variable but the instance counts is fixed here; a backend that loses
+            // the pinned point to its tolerances leaves the slack point's placement.
+            match self.phase(&spare, Some(&slack_point))? {
+                Some((point, _)) => {
+                    status = status.worst(point.status);
+                    point
+                }
+                None => slack_point,
+            }
         };
         Ok(Solved {
             load_values,
@@ -331,7 +335,7 @@ impl<'a> Stage1<'a> {
                 for (j, per_kind) in vars.v[k].iter().enumerate() {
                     for (kind, v) in per_kind.iter().enumerate() {
                         per_degree[p.options[j].degree_index] += v.value(values);
-                        latency += p.options[j].latency[kind] * v.value(values);
+                        latency += class.latency[j][kind] * v.value(values);
                     }
                 }
                 let total: f64 = per_degree.iter().sum();
@@ -450,11 +454,15 @@ fn unreachable_classes(problem: &Problem) -> Vec<bool> {
                         a == b || problem.options[a].degree_index != problem.options[b].degree_index
                     })
                 });
-                if compatible {
+                let fit = picks
+                    .iter()
+                    .enumerate()
+                    .all(|(kind, &j)| class.fits[j][kind]);
+                if compatible && fit {
                     let t: f64 = picks
                         .iter()
                         .enumerate()
-                        .map(|(kind, &j)| class.steps[kind][0] * problem.options[j].latency[kind])
+                        .map(|(kind, &j)| class.steps[kind][0] * class.latency[j][kind])
                         .sum();
                     best = best.min(t);
                 }

@@ -128,10 +128,10 @@ pub(crate) fn quality(problem: &Problem, vars: &Vars) -> Linear {
 /// per second.
 pub(crate) fn slack(problem: &Problem, vars: &Vars) -> Linear {
     let mut terms = vec![(vars.alpha, problem.slo * problem.total_rate())];
-    for per_option in &vars.v {
+    for (class, per_option) in problem.classes.iter().zip(&vars.v) {
         for (j, per_kind) in per_option.iter().enumerate() {
             for (kind, &v) in per_kind.iter().enumerate() {
-                terms.push((v, -problem.options[j].latency[kind]));
+                terms.push((v, -class.latency[j][kind]));
             }
         }
     }
@@ -143,11 +143,10 @@ pub(crate) fn slack(problem: &Problem, vars: &Vars) -> Linear {
 
 /// Busy instance-seconds per second of option `j` (its utilisation times instances).
 pub(crate) fn busy(problem: &Problem, vars: &Vars, j: usize) -> Linear {
-    let option = &problem.options[j];
     let mut terms = Vec::new();
     for (k, class) in problem.classes.iter().enumerate() {
         for (kind, &v) in vars.v[k][j].iter().enumerate() {
-            terms.push((v, class.tokens[kind] * option.secs_per_token[kind]));
+            terms.push((v, class.busy[j][kind]));
         }
     }
     Linear {
@@ -158,7 +157,7 @@ pub(crate) fn busy(problem: &Problem, vars: &Vars, j: usize) -> Linear {
 
 /// Tokens per second one instance of option `j` processes (of the first step kind).
 pub(crate) fn throughput(problem: &Problem, j: usize) -> f64 {
-    1.0 / problem.options[j].secs_per_token[0]
+    1.0 / problem.options[j].full_secs_per_token
 }
 
 /// Instances of degree index `d` the capacity variables provide.
@@ -220,14 +219,15 @@ fn flow_bound(
     kind: usize,
 ) -> f64 {
     let class = &problem.classes[k];
-    let option = &problem.options[j];
+    if !class.fits[j][kind] {
+        return 0.0;
+    }
     let by_demand = class.rate * max_steps(problem, k, kind, spec.demand);
-    let by_capacity =
-        max_inst[option.degree_index] / (class.tokens[kind] * option.secs_per_token[kind]);
+    let by_capacity = max_inst[problem.options[j].degree_index] / class.busy[j][kind];
     let by_latency = if spec.exempt[k] {
         f64::INFINITY
     } else {
-        class.rate * problem.slo / option.latency[kind]
+        class.rate * problem.slo / class.latency[j][kind]
     };
     by_demand.min(by_capacity).min(by_latency)
 }
@@ -287,15 +287,19 @@ fn add_variables(
         }
         Demand::Full => pinned(model, variable().clamp(1.0, 1.0)),
     };
+    // A class no option serves within the SLO runs at the lowest threshold, the fastest it
+    // can; the others keep their free mix.
     let f = (0..problem.classes.len())
-        .map(|_| {
+        .map(|k| {
+            let lowest = matches!(spec.demand, Demand::Lowest { .. }) || spec.exempt[k];
             (0..problem.thresholds.len())
-                .map(|c| match spec.demand {
-                    Demand::Lowest { .. } => {
+                .map(|c| {
+                    if lowest {
                         let fixed = if c == 0 { 1.0 } else { 0.0 };
                         pinned(model, variable().clamp(fixed, fixed))
+                    } else {
+                        pinned(model, variable().clamp(0.0, 1.0))
                     }
-                    Demand::Full => pinned(model, variable().clamp(0.0, 1.0)),
                 })
                 .collect()
         })
@@ -426,7 +430,7 @@ fn add_demand_and_latency(model: &mut Model, problem: &Problem, vars: &Vars, spe
                     per_kind
                         .iter()
                         .enumerate()
-                        .map(move |(kind, v)| problem.options[j].latency[kind] * v.var)
+                        .map(move |(kind, v)| class.latency[j][kind] * v.var)
                 })
                 .sum();
             model.constrain(constraint!(
@@ -453,7 +457,10 @@ fn add_capacity(
         for (k, per_option) in vars.v.iter().enumerate() {
             for (kind, v) in per_option[j].iter().enumerate() {
                 let m = flow_bound(problem, spec, max_inst, k, j, kind);
-                model.constrain(constraint!(v.var <= m * vars.z[j].var));
+                // A zero bound already fixes the flow (a step too large for the batch).
+                if m > 0.0 {
+                    model.constrain(constraint!(v.var <= m * vars.z[j].var));
+                }
             }
         }
     }

@@ -154,7 +154,8 @@ fn lp(
     // busy[d]: instance-seconds per second of degree d.
     let mut busy: Vec<Affine> = vec![Affine::default(); counts.len()];
     for class in &inputs.classes {
-        let (o, rate) = (class.output_tokens, class.rate);
+        // Workers decode whole blocks.
+        let (o, rate) = ((class.output_tokens / block).ceil() * block, class.rate);
         let sequence = class.prompt_tokens + o;
         let s: Vec<Var> = thresholds
             .iter()
@@ -202,13 +203,18 @@ fn lp(
             };
             for (kind, &k) in kinds.iter().enumerate() {
                 let lat = profile
-                    .latency(degree, k, b as f64)
+                    .step_time(degree, k, b as f64, sequence)
                     .expect("degree profiled");
                 let tokens = if k == StepKind::Cache {
                     block
                 } else {
                     sequence
                 };
+                // A step larger than the batch cannot run there.
+                if tokens > b as f64 {
+                    m.constrain(constraint!(sd[d][kind].var == 0.0));
+                    continue;
+                }
                 latency.add(sd[d][kind], lat);
                 busy[d].add(sd[d][kind], rate * tokens * lat / b as f64);
             }

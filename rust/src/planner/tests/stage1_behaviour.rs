@@ -6,7 +6,7 @@ use super::super::capacity::node_types;
 use super::super::inputs::{validate, Deployment, Instance};
 use super::super::solver::{SolveSettings, SolveStatus};
 use super::super::stage1::{Stage1, Warm};
-use super::super::{plan, plan_capacity, PlannerInputs};
+use super::super::{plan, plan_capacity, PlannerError, PlannerInputs};
 use super::{class, default_solver, inputs, profile};
 
 fn cluster(rate: f64) -> PlannerInputs {
@@ -78,13 +78,63 @@ fn overload_serves_the_most_load_at_the_lowest_threshold() {
 }
 
 #[test]
-fn a_class_no_instance_can_serve_in_time_is_reported() {
+fn a_class_no_instance_can_serve_in_time_pins_only_itself_to_the_lowest_threshold() {
     let mut i = cluster(0.05);
-    i.classes.push(class(100.0, 100_000.0, 0.01));
+    i.classes.push(class(100.0, 12_000.0, 0.001));
     let plan = plan_capacity(&i, &profile()).unwrap();
-    assert!(plan.overloaded);
+    assert!(!plan.overloaded, "{plan:#?}");
+    assert!((plan.value.sustained_load - 1.0).abs() < 1e-9);
     assert!(!plan.classes[2].slo_reachable);
-    assert!(plan.classes[..2].iter().all(|c| c.slo_reachable));
+    assert!((plan.classes[2].threshold_mix[0] - 1.0).abs() < 1e-9);
+    for c in &plan.classes[..2] {
+        assert!(c.slo_reachable);
+        assert!((c.mean_threshold - 0.9).abs() < 1e-6, "{c:?}");
+        assert!(c.latency_seconds <= 20.0 + 1e-6);
+    }
+}
+
+#[test]
+fn a_batch_smaller_than_a_class_step_is_not_a_choice_for_that_class() {
+    // Code completion: 4k-token prompts. At light load the smallest batch on TP-4 has the
+    // lowest step latency, but a 4.3k-token step does not fit a 1024-token batch.
+    let i = inputs(
+        vec![class(4000.0, 256.0, 0.05)],
+        vec![4, 4],
+        vec![1, 2, 4],
+        vec![1024, 4096, 16384],
+        60.0,
+    );
+    let plan = plan_capacity(&i, &profile()).unwrap();
+    let c = &plan.classes[0];
+    for (d, share) in plan.degrees.iter().zip(&c.degree_share) {
+        if *share > 1e-9 {
+            assert!(d.batch_tokens.unwrap() >= 4256, "{d:?} carries {share}");
+        }
+    }
+    assert!(c.latency_seconds > 0.0);
+    // Longer than every candidate batch: a typed error, not a plan that cannot run.
+    let mut too_long = i.clone();
+    too_long.config.batch_tokens = vec![1024, 4096];
+    assert!(matches!(
+        plan_capacity(&too_long, &profile()),
+        Err(PlannerError::BadClass { index: 0, .. })
+    ));
+}
+
+#[test]
+fn outputs_are_padded_to_whole_blocks() {
+    // 40 output tokens decode as two 32-token blocks: 64 positions at 3.25 per step.
+    let i = inputs(
+        vec![class(100.0, 40.0, 0.05)],
+        vec![4],
+        vec![1, 2, 4],
+        vec![1024],
+        20.0,
+    );
+    let plan = plan_capacity(&i, &profile()).unwrap();
+    let c = &plan.classes[0];
+    assert!((c.mean_threshold - 0.9).abs() < 1e-6);
+    assert!((c.steps_per_request - 64.0 / 3.25).abs() < 1e-6, "{c:?}");
 }
 
 #[test]
