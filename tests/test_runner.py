@@ -331,3 +331,29 @@ def test_rows_with_different_block_lengths_share_a_step(model, cache):
         active = [o.request_id for o in result.outputs if not o.done]
     for i, ref in enumerate(alone):
         assert runner.state(20 + i).output_ids == ref.output_ids
+
+
+def test_compaction_moves_a_requests_cache_under_it(model):
+    """Freed extents leave holes too small for a long request: the pool slides the live
+    extents down, K/V and all, and a request mid-block keeps decoding as it would alone."""
+    mask = model.config.mask_token_id
+    prompts = _prompts(model, (4, 4, 4, 4))
+    runner = StepRunner(model, cache="dual", max_requests=2, max_seq_len=60)
+    assert runner.kv_tokens == 120
+    (alone,) = generate(
+        runner, [prompts[1]], gen_length=4 * BLOCK, block_length=BLOCK, threshold=1.0
+    )
+    for rid in (0, 1, 2):
+        runner.add(
+            RequestState.new(rid, prompts[rid], 4 * BLOCK, block_length=BLOCK, mask_token_id=mask)
+        )
+    for _ in range(3):  # request 1 is mid-block, its next step a cache step
+        _step(runner, [(1, 1.0)])
+    runner.release(0)
+    runner.release(2)
+    runner.add(RequestState.new(3, prompts[3], 7 * BLOCK, block_length=BLOCK, mask_token_id=mask))
+    assert runner.pool.compactions == 1 and runner.pool.base(1) == 0
+    assert runner.next_kind(1) is StepKind.CACHE
+    while not runner.state(1).done:
+        _step(runner, [(1, 1.0), (3, 1.0)])
+    assert runner.state(1).output_ids == alone.output_ids
