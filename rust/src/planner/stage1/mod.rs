@@ -334,6 +334,7 @@ impl<'a> Stage1<'a> {
                 let mut latency = 0.0;
                 for (j, per_kind) in vars.v[k].iter().enumerate() {
                     for (kind, v) in per_kind.iter().enumerate() {
+                        let Some(v) = v else { continue };
                         per_degree[p.options[j].degree_index] += v.value(values);
                         latency += class.latency[j][kind] * v.value(values);
                     }

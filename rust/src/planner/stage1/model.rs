@@ -79,7 +79,9 @@ pub(crate) struct PhaseSpec<'a> {
 pub(crate) struct Vars {
     pub alpha: Var,
     pub f: Vec<Vec<Var>>,
-    pub v: Vec<Vec<Vec<Var>>>,
+    /// `None` where the class's step of that kind does not fit the option's batch: no
+    /// variable at all, rather than one fixed at 0 that some backends stumble over.
+    pub v: Vec<Vec<Vec<Option<Var>>>>,
     pub z: Vec<Var>,
     /// Per degree, the cumulative batch binary of its largest batch: 1 iff the degree runs.
     pub last_w: Vec<Var>,
@@ -130,7 +132,8 @@ pub(crate) fn slack(problem: &Problem, vars: &Vars) -> Linear {
     let mut terms = vec![(vars.alpha, problem.slo * problem.total_rate())];
     for (class, per_option) in problem.classes.iter().zip(&vars.v) {
         for (j, per_kind) in per_option.iter().enumerate() {
-            for (kind, &v) in per_kind.iter().enumerate() {
+            for (kind, v) in per_kind.iter().enumerate() {
+                let Some(v) = *v else { continue };
                 terms.push((v, -class.latency[j][kind]));
             }
         }
@@ -145,7 +148,8 @@ pub(crate) fn slack(problem: &Problem, vars: &Vars) -> Linear {
 pub(crate) fn busy(problem: &Problem, vars: &Vars, j: usize) -> Linear {
     let mut terms = Vec::new();
     for (k, class) in problem.classes.iter().enumerate() {
-        for (kind, &v) in vars.v[k][j].iter().enumerate() {
+        for (kind, v) in vars.v[k][j].iter().enumerate() {
+            let Some(v) = *v else { continue };
             terms.push((v, class.busy[j][kind]));
         }
     }
@@ -219,9 +223,6 @@ fn flow_bound(
     kind: usize,
 ) -> f64 {
     let class = &problem.classes[k];
-    if !class.fits[j][kind] {
-        return 0.0;
-    }
     let by_demand = class.rate * max_steps(problem, k, kind, spec.demand);
     let by_capacity = max_inst[problem.options[j].degree_index] / class.busy[j][kind];
     let by_latency = if spec.exempt[k] {
@@ -239,7 +240,7 @@ fn flow_bound(
 fn batch_choice(
     problem: &Problem,
     spec: &PhaseSpec<'_>,
-    v: &[Vec<Vec<Var>>],
+    v: &[Vec<Vec<Option<Var>>>],
     z_start: usize,
 ) -> Vec<Option<bool>> {
     if let Some(fixed) = spec.fixed {
@@ -250,7 +251,7 @@ fn batch_choice(
     };
     let flow = |j: usize| -> f64 {
         v.iter()
-            .flat_map(|per| &per[j])
+            .flat_map(|per| per[j].iter().flatten())
             .map(|f| f.value(values))
             .sum()
     };
@@ -304,14 +305,16 @@ fn add_variables(
                 .collect()
         })
         .collect();
-    let v: Vec<Vec<Vec<Var>>> = (0..problem.classes.len())
+    let v: Vec<Vec<Vec<Option<Var>>>> = (0..problem.classes.len())
         .map(|k| {
             (0..problem.options.len())
                 .map(|j| {
                     (0..problem.kinds.len())
                         .map(|kind| {
-                            let bound = flow_bound(problem, spec, max_inst, k, j, kind);
-                            pinned(model, variable().clamp(0.0, bound))
+                            problem.classes[k].fits[j][kind].then(|| {
+                                let bound = flow_bound(problem, spec, max_inst, k, j, kind);
+                                pinned(model, variable().clamp(0.0, bound))
+                            })
                         })
                         .collect()
                 })
@@ -411,7 +414,10 @@ fn add_demand_and_latency(model: &mut Model, problem: &Problem, vars: &Vars, spe
             model.constrain(constraint!(shares == 1.0));
         }
         for kind in 0..problem.kinds.len() {
-            let served: Expression = vars.v[k].iter().map(|per_kind| per_kind[kind].var).sum();
+            let served: Expression = vars.v[k]
+                .iter()
+                .filter_map(|per_kind| per_kind[kind].map(|v| v.var))
+                .sum();
             let needed: Expression = match spec.demand {
                 Demand::Lowest { .. } => class.rate * class.steps[kind][0] * vars.alpha.var,
                 Demand::Full => vars.f[k]
@@ -430,7 +436,7 @@ fn add_demand_and_latency(model: &mut Model, problem: &Problem, vars: &Vars, spe
                     per_kind
                         .iter()
                         .enumerate()
-                        .map(move |(kind, v)| class.latency[j][kind] * v.var)
+                        .filter_map(move |(kind, v)| v.map(|v| class.latency[j][kind] * v.var))
                 })
                 .sum();
             model.constrain(constraint!(
@@ -456,9 +462,8 @@ fn add_capacity(
         ));
         for (k, per_option) in vars.v.iter().enumerate() {
             for (kind, v) in per_option[j].iter().enumerate() {
-                let m = flow_bound(problem, spec, max_inst, k, j, kind);
-                // A zero bound already fixes the flow (a step too large for the batch).
-                if m > 0.0 {
+                if let Some(v) = v {
+                    let m = flow_bound(problem, spec, max_inst, k, j, kind);
                     model.constrain(constraint!(v.var <= m * vars.z[j].var));
                 }
             }
