@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,7 +11,9 @@ import torch
 from dilaserve import LatencyProfile, LatencyProfileError
 from dilaserve.cli import main
 from dilaserve.models import load_model
+from dilaserve.profiles import SIMULATED_LLADA8B
 from dilaserve.profiling import ProfileError, ProfileSettings, measure_profile
+from dilaserve.protocol import CacheMode
 from dilaserve.tiny import default_model_dir
 
 
@@ -41,12 +44,43 @@ def test_profile_command_writes_a_loadable_profile(tiny_llada_dir, tmp_path, cap
     assert [t for t, _ in profile.points(1, "no_cache")] == [16, 48]
     assert [t for t, _ in profile.points(1, "recompute")] == [16, 48]
     assert [t for t, _ in profile.points(1, "cache")] == [16, 48]
+    assert profile.contexts(1, "cache") == [24]
+    assert profile.contexts(1, "recompute") == []
     for kind in ("no_cache", "recompute", "cache"):
         assert all(s > 0 for _, s in profile.points(1, kind))
     assert "wrote" in capsys.readouterr().out
 
 
-SMALL_GRID = ProfileSettings(block_length=8, token_grid=(16, 48), cache_context=24, repeats=1)
+SMALL_GRID = ProfileSettings(block_length=8, token_grid=(16, 48), cache_contexts=(24,), repeats=1)
+
+
+def test_cache_steps_are_measured_over_context_lengths(tiny_llada_dir):
+    settings = replace(SMALL_GRID, cache_contexts=(40, 16))
+    measured = measure_profile(load_model(tiny_llada_dir), settings)
+    assert measured["version"] == 2
+    cache = [t for t in measured["tables"] if t["kind"] == "cache"]
+    assert [t["context"] for t in cache] == [16, 40]
+    profile = LatencyProfile.from_json(json.dumps(measured))
+    assert profile.contexts(1, "cache") == [16, 40]
+    assert [t for t, _ in profile.points(1, "cache", 40)] == [16, 48]
+    assert profile.step_time(1, "cache", 16, 28) > 0
+
+
+def test_prefix_cache_steps_count_the_suffix_they_feed(tiny_llada_dir):
+    # One request's prefix-cache step feeds its block and the one-block suffix after it.
+    settings = ProfileSettings(
+        block_length=8,
+        token_grid=(8, 16),
+        cache_contexts=(24,),
+        cache_mode=CacheMode.PREFIX,
+        repeats=1,
+    )
+    measured = measure_profile(load_model(tiny_llada_dir), settings)
+    (cache,) = [t for t in measured["tables"] if t["kind"] == "cache"]
+    assert [t for t, _ in cache["points"]] == [16]
+    dual = measure_profile(load_model(tiny_llada_dir), replace(settings, cache_mode=CacheMode.DUAL))
+    (cache,) = [t for t in dual["tables"] if t["kind"] == "cache"]
+    assert [t for t, _ in cache["points"]] == [8, 16]
 
 
 def test_profiles_the_shipped_trained_model():
@@ -72,6 +106,9 @@ def test_profile_command_rejects_bad_grid(tiny_llada_dir, tmp_path, capsys):
     code = main(["profile", "--model", str(tiny_llada_dir), "--tokens", "0,8"])
     assert code == 2
     assert "positive" in capsys.readouterr().err
+    code = main(["profile", "--model", str(tiny_llada_dir), "--cache-context", "16"])
+    assert code == 2
+    assert "--cache-context" in capsys.readouterr().err
 
 
 def test_profile_command_names_a_missing_checkpoint(tmp_path, capsys):
@@ -82,6 +119,28 @@ def test_profile_command_names_a_missing_checkpoint(tmp_path, capsys):
 
 def _profile_json(tables):
     return json.dumps({"version": 1, "tables": tables})
+
+
+def test_cache_step_time_follows_the_context_and_old_files_load():
+    tables = [
+        {"tp": 1, "kind": "cache", "context": 256, "points": [[32, 0.004]]},
+        {"tp": 1, "kind": "cache", "context": 1024, "points": [[32, 0.010]]},
+    ]
+    p = LatencyProfile.from_json(json.dumps({"version": 2, "tables": tables}))
+    assert p.step_time(1, "cache", 32, 640) == pytest.approx(0.007)
+    assert p.latency(1, "cache", 32) == pytest.approx(0.004)
+    back = LatencyProfile.from_json(p.to_json())
+    assert back.contexts(1, "cache") == [256, 1024]
+    with pytest.raises(LatencyProfileError, match="context 512"):
+        p.points(1, "cache", 512)
+    # Version-1 files and the shipped profile (no contexts) still load.
+    old = LatencyProfile.from_json(
+        _profile_json([{"tp": 1, "kind": "cache", "points": [[32, 0.004]]}])
+    )
+    assert old.step_time(1, "cache", 32, 5000) == pytest.approx(0.004)
+    shipped = LatencyProfile.load(SIMULATED_LLADA8B)
+    assert shipped.degrees() == [1, 2, 4, 8]
+    assert shipped.contexts(1, "cache") == []
 
 
 def test_latency_interpolates_and_extrapolates():

@@ -5,6 +5,12 @@ and planner interpolates in it (DESIGN §2). Steps are timed through the same `S
 that serves requests, so the profile includes the runner's own overhead; a TP-d table is
 timed on a real TP-d instance (d local rank processes, `measure_degrees`), collectives
 included.
+
+A cache step feeds few tokens but attends to every cached one, so its cost grows with the
+cached context at a fixed batch size: cache steps are timed at each of `cache_contexts`
+(sequence tokens per request) and written as one table per context. In prefix-cache mode a
+cache step feeds its block and everything after it, so the timed requests carry a suffix
+and the batch-token axis counts the suffix fed.
 """
 
 from __future__ import annotations
@@ -22,11 +28,14 @@ import torch
 from dilaserve._core import LatencyProfile
 from dilaserve.models import check_degree, load_model, read_config
 from dilaserve.models.config import ModelConfig
-from dilaserve.protocol import RequestState, StepEntry, StepKind
+from dilaserve.protocol import CacheMode, RequestState, StepEntry, StepKind
 from dilaserve.worker.local_group import run_on_group
 from dilaserve.worker.runner import StepRunner
 
 DEFAULT_TOKEN_GRID = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+DEFAULT_CACHE_CONTEXTS = (128, 512, 2048)
+#: Format version written; version-1 files (no per-table context) still load.
+PROFILE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -35,25 +44,43 @@ class ProfileSettings:
     token_grid: Sequence[int] = DEFAULT_TOKEN_GRID
     # Longest sequence of one profiled request; larger batch-token counts use more requests.
     max_request_tokens: int = 512
-    # Sequence length of the requests whose cache steps are timed (their attention span).
-    cache_context: int = 256
+    # Sequence lengths of the requests whose cache steps are timed (their attention span).
+    cache_contexts: Sequence[int] = DEFAULT_CACHE_CONTEXTS
+    # Which approximate cache the cache steps run: dual feeds the block, prefix the block
+    # and its suffix.
+    cache_mode: CacheMode = CacheMode.DUAL
     repeats: int = 5
     tp: int = 1
 
+    def check(self) -> None:
+        """Raises `ValueError` for settings no step can be timed with."""
+        b = self.block_length
+        if b <= 0 or self.repeats <= 0 or min(self.token_grid, default=0) <= 0:
+            raise ValueError("--block-length, --tokens and --repeats must be positive")
+        if self.cache_mode is CacheMode.NONE:
+            raise ValueError("the cache mode to profile must be dual or prefix")
+        shortest = 2 * b if self.cache_mode is CacheMode.PREFIX else b + 1
+        if not self.cache_contexts or min(self.cache_contexts) < shortest:
+            raise ValueError(
+                f"--cache-context lengths must be at least {shortest} tokens (a prompt "
+                f"token and {'two blocks' if shortest == 2 * b else 'one block'})"
+            )
+
 
 def measure_profile(model: torch.nn.Module, settings: ProfileSettings) -> dict:
-    """Times no-cache, recompute and cache steps over the token grid; returns the JSON dict."""
-    tables = [
-        {
-            "tp": settings.tp,
-            "kind": kind.value,
-            "points": [[tokens, _time_step(model, kind, tokens, settings)] for tokens in grid],
-        }
-        for kind, grid in _grids(settings)
-    ]
+    """Times no-cache and recompute steps over the token grid and cache steps over the grid
+    at every cache context; returns the JSON dict."""
+    tables = []
+    for kind, context, grid in _grids(settings):
+        table = {"tp": settings.tp, "kind": kind.value}
+        if context is not None:
+            table["context"] = context
+        points = [_time_step(model, kind, tokens, context, settings) for tokens in grid]
+        table["points"] = sorted(dict(points).items())
+        tables.append(table)
     param = next(model.parameters())
     return {
-        "version": 1,
+        "version": PROFILE_VERSION,
         "model": getattr(model.config, "name", model.config.family),
         "device": _device_name(param.device),
         "dtype": str(param.dtype).removeprefix("torch."),
@@ -128,20 +155,29 @@ def write_profile(profile: dict, path: str) -> LatencyProfile:
     return loaded
 
 
-def _grids(settings: ProfileSettings) -> Iterator[tuple[StepKind, list[int]]]:
+def _grids(settings: ProfileSettings) -> Iterator[tuple[StepKind, int | None, list[int]]]:
+    """(kind, cache context or None, batch-token targets) of every table to time."""
     b = settings.block_length
     full = sorted({t for t in settings.token_grid if t > b})
-    yield StepKind.NO_CACHE, full
-    yield StepKind.RECOMPUTE, full
-    # A cache step feeds B tokens per request, so only multiples of B are reachable.
-    yield StepKind.CACHE, sorted({max(b, t - t % b) for t in settings.token_grid})
+    yield StepKind.NO_CACHE, None, full
+    yield StepKind.RECOMPUTE, None, full
+    # A cache step feeds whole blocks (and, with a prefix cache, their suffixes) per request.
+    for context in sorted(set(settings.cache_contexts)):
+        yield StepKind.CACHE, context, sorted({max(b, t - t % b) for t in settings.token_grid})
 
 
-def _requests(tokens: int, kind: StepKind, s: ProfileSettings) -> list[tuple[int, int]]:
-    """(prompt length, output length) of requests whose step feeds `tokens` batch tokens."""
+def _requests(
+    tokens: int, kind: StepKind, context: int | None, s: ProfileSettings
+) -> list[tuple[int, int]]:
+    """(prompt length, output length) of requests whose step feeds about `tokens` tokens."""
     b = s.block_length
     if kind is StepKind.CACHE:
-        return [(max(1, s.cache_context - b), b)] * (tokens // b)
+        assert context is not None
+        # Dual: one output block after the prompt. Prefix: two, so the first block's cache
+        # steps also feed a one-block suffix.
+        output = 2 * b if s.cache_mode is CacheMode.PREFIX else b
+        fed = output
+        return [(context - output, output)] * max(1, tokens // fed)
     count = -(-tokens // s.max_request_tokens)
     per = tokens // count
     return [(per - b, b)] * count
@@ -156,11 +192,14 @@ class ProfileError(ValueError):
 FILL_ATTEMPTS = 8
 
 
-def _time_step(model: torch.nn.Module, kind: StepKind, tokens: int, s: ProfileSettings) -> float:
-    shapes = _requests(tokens, kind, s)
+def _time_step(
+    model: torch.nn.Module, kind: StepKind, tokens: int, context: int | None, s: ProfileSettings
+) -> tuple[int, float]:
+    """(batch tokens the timed step fed, its median seconds)."""
+    shapes = _requests(tokens, kind, context, s)
     runner = StepRunner(
         model,
-        cache="none" if kind is StepKind.NO_CACHE else "dual",
+        cache="none" if kind is StepKind.NO_CACHE else s.cache_mode.value,
         max_requests=len(shapes),
         max_seq_len=max(p + o for p, o in shapes),
     )
@@ -177,7 +216,15 @@ def _time_step(model: torch.nn.Module, kind: StepKind, tokens: int, s: ProfileSe
             samples.append(time.perf_counter() - start)
         for rid in ids:
             runner.release(rid)
-    return statistics.median(samples)
+    return _fed_tokens(kind, shapes, s), statistics.median(samples)
+
+
+def _fed_tokens(kind: StepKind, shapes: list[tuple[int, int]], s: ProfileSettings) -> int:
+    """Tokens a step over `shapes` feeds: whole sequences, or for a cache step the first
+    block plus (prefix cache) everything after it."""
+    if kind is not StepKind.CACHE:
+        return sum(p + o for p, o in shapes)
+    return sum(o for _, o in shapes)
 
 
 def _add_requests(

@@ -7,7 +7,18 @@ import argparse
 import torch
 
 from dilaserve.cli.common import add_model_arguments, default_dtype, model_dir
-from dilaserve.profiling import DEFAULT_TOKEN_GRID, ProfileSettings, measure_degrees, write_profile
+from dilaserve.profiling import (
+    DEFAULT_CACHE_CONTEXTS,
+    DEFAULT_TOKEN_GRID,
+    ProfileSettings,
+    measure_degrees,
+    write_profile,
+)
+from dilaserve.protocol import CacheMode
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -16,7 +27,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="measure per-step latency (recompute / cache / no-cache) and write a profile",
         description=(
             "Time one denoising step of each kind over a grid of batch-token counts on the "
-            "current device, and write the latency-profile JSON that the scheduler loads."
+            "current device (cache steps also over cached-context lengths), and write the "
+            "latency-profile JSON that the scheduler and planner load."
         ),
     )
     add_model_arguments(p)
@@ -24,12 +36,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-length", type=int, default=32)
     p.add_argument(
         "--tokens",
-        type=lambda s: [int(x) for x in s.split(",")],
+        type=_ints,
         default=list(DEFAULT_TOKEN_GRID),
         help="comma-separated batch-token counts to measure",
     )
     p.add_argument("--max-request-tokens", type=int, default=512)
-    p.add_argument("--cache-context", type=int, default=256)
+    p.add_argument(
+        "--cache-context",
+        type=_ints,
+        default=list(DEFAULT_CACHE_CONTEXTS),
+        help="comma-separated sequence lengths (tokens per request) at which cache steps "
+        "are timed; a cache step attends to all of them",
+    )
+    p.add_argument(
+        "--cache-mode",
+        choices=[CacheMode.DUAL.value, CacheMode.PREFIX.value],
+        default=CacheMode.DUAL.value,
+        help="approximate cache the cache steps run (prefix feeds the block and its suffix)",
+    )
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument(
         "--threads",
@@ -39,7 +63,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--tp",
-        type=lambda s: [int(x) for x in s.split(",")],
+        type=_ints,
         default=[1],
         help="comma-separated TP degrees to measure, each on a real instance of that many "
         "rank processes (default: 1)",
@@ -54,11 +78,11 @@ def run(args: argparse.Namespace) -> int:
         block_length=args.block_length,
         token_grid=args.tokens,
         max_request_tokens=args.max_request_tokens,
-        cache_context=args.cache_context,
+        cache_contexts=args.cache_context,
+        cache_mode=CacheMode(args.cache_mode),
         repeats=args.repeats,
     )
-    if min(settings.token_grid) <= 0 or settings.repeats <= 0:
-        raise ValueError("--tokens and --repeats must be positive")
+    settings.check()
     if min(args.tp) <= 0:
         raise ValueError("--tp degrees must be positive")
     measured = measure_degrees(
@@ -72,7 +96,11 @@ def run(args: argparse.Namespace) -> int:
     profile = write_profile(measured, args.output)
     for tp in profile.degrees():
         for kind in ("no_cache", "recompute", "cache"):
-            points = ", ".join(f"{t}:{s * 1e3:.2f}ms" for t, s in profile.points(tp, kind))
-            print(f"tp={tp} {kind:>9}: {points}")
+            for context in profile.contexts(tp, kind) or [None]:
+                points = ", ".join(
+                    f"{t}:{s * 1e3:.2f}ms" for t, s in profile.points(tp, kind, context)
+                )
+                at = f" @{context}" if context is not None else ""
+                print(f"tp={tp} {kind:>9}{at}: {points}")
     print(f"wrote {args.output}")
     return 0
