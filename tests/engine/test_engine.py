@@ -230,11 +230,19 @@ def test_replan_from_recent_arrivals_plans_and_applies_the_transition(make_engin
     async def scenario():
         engine = h.engine
         await asyncio.gather(*(engine.complete(p.prompt, params(p)) for p in problems))
+        before = set(engine.instances)
         result = await engine.reconfigurer.replan(window_s=60.0)
-        return result, sorted(i.tp for i in engine.instances.values())
+        return result, sorted(i.tp for i in engine.instances.values()), before
 
-    result, degrees = h.run(scenario())
+    result, degrees, before = h.run(scenario())
     assert result is not None and h.engine.reconfigurer.runs == 1
     assert h.engine.reconfigurer.last_plan is result
     expected = [i.degree for i in result.transition.instances] if result.adopted else [1]
     assert degrees == sorted(expected)
+    # Instances the plan launched run at its batch size for their degree.
+    planned = {d.degree: d.batch_tokens for d in result.capacity.degrees if d.batch_tokens}
+    launched = [i for i in h.engine.instances.values() if i.id not in before]
+    assert launched or not result.adopted
+    for inst in launched:
+        budget = h.engine.scheduler.instance(inst.id).max_batch_tokens
+        assert budget == planned[inst.tp]

@@ -440,7 +440,7 @@ class Engine:
             node=inst.node,
             kv_tokens=ready.kv_tokens,
             max_requests=ready.max_requests,
-            max_batch_tokens=self.config.max_batch_tokens,
+            max_batch_tokens=self.reconfigurer.budget(inst.tp),
         )
         inst.registered = True
         if inst.stopping:

@@ -66,6 +66,14 @@ class Reconfigurer:
         self._membership_again = False
         #: TP degrees of instances lost with their nodes and not replaced yet.
         self._lost: Counter[int] = Counter()
+        #: Batch size per TP degree of the last adopted plan: the batch-token budget the
+        #: instances it launches get in the scheduler (the plan's latencies assume it).
+        self.batch_tokens: dict[int, int] = {}
+
+    def budget(self, tp: int) -> int:
+        """Batch-token budget of a TP-`tp` instance: its degree's planned batch size, or
+        the configured one before any plan chose it."""
+        return self.batch_tokens.get(tp, self.engine.config.max_batch_tokens)
 
     def layout(self) -> tuple[list[int], list[int]]:
         """Device slots per node in the planner's order, and each node's launcher key."""
@@ -80,11 +88,10 @@ class Reconfigurer:
             (i for i in self.engine.instances.values() if not i.stopping and i.node in index),
             key=lambda i: i.id,
         )
-        c = self.engine.config
         degrees = {i.tp for i in running}
         deployment = Deployment(
             instances=tuple(Instance(index[i.node], i.tp, i.gpus) for i in running),
-            batch_tokens={d: c.max_batch_tokens for d in degrees},
+            batch_tokens={d: self.budget(d) for d in degrees},
         )
         return deployment, [i.id for i in running]
 
@@ -140,7 +147,15 @@ class Reconfigurer:
                     slo_seconds=c.slo_scale * isolated_latency(c, engine.profile, arrivals),
                     # No degree wider than the largest node (a cluster's nodes may differ).
                     degrees=tuple(d for d in engine.planner_degrees if d <= max(node_gpus)) or (1,),
-                    batch_tokens=tuple(sorted({*DEFAULT_BATCH_TOKENS, c.max_batch_tokens})),
+                    batch_tokens=tuple(
+                        sorted(
+                            {
+                                *DEFAULT_BATCH_TOKENS,
+                                c.max_batch_tokens,
+                                *current.batch_tokens.values(),
+                            }
+                        )
+                    ),
                     caching=caching,
                     block_length=c.block_length,
                     min_improvement=min_improvement,
@@ -154,6 +169,11 @@ class Reconfigurer:
             self.solve_seconds += result.stage1_seconds + result.stage2_seconds
             log.info("replan: %s", result.reason)
             if result.adopted and result.transition is not None:
+                self.batch_tokens.update(
+                    (d.degree, d.batch_tokens)
+                    for d in result.capacity.degrees
+                    if d.batch_tokens is not None
+                )
                 await self._execute(result.transition, ids, keys)
             return result
 
