@@ -26,6 +26,7 @@ import torch
 from dilaserve.kernels import (
     confidence_commit_reference,
     confidence_commit_triton,
+    partial_ids,
     scatter_kv_reference,
     scatter_kv_triton,
     vocab_partials_reference,
@@ -63,7 +64,15 @@ def emit(name: str, value: float, unit: str, **extra) -> None:
 # --- 1. kernels -----------------------------------------------------------------------------
 
 
-def check_kernels(device: torch.device, batches=BATCHES, vocab=VOCAB, hidden=HIDDEN) -> None:
+def check_kernels(
+    device: torch.device,
+    batches: tuple[int, ...] = BATCHES,
+    vocab: int = VOCAB,
+    hidden: int = HIDDEN,
+    kv_heads: int = 32,
+    head_dim: int = 128,
+) -> None:
+    """Kernel against reference at these shapes; one JSON line per comparison."""
     g = torch.Generator(device=device).manual_seed(0)
     head = (
         torch.randn(hidden, vocab, generator=g, device=device, dtype=torch.bfloat16) / hidden**0.5
@@ -104,11 +113,12 @@ def check_kernels(device: torch.device, batches=BATCHES, vocab=VOCAB, hidden=HID
             ),
             "x",
             batch=b,
-            argmax_mismatches=int((partials[..., 2] != reference[..., 2]).sum()),
+            argmax_mismatches=int((partial_ids(partials) != partial_ids(reference)).sum()),
         )
-    pool = torch.zeros(64 * 320, 32, 128, dtype=torch.bfloat16, device=device)
-    slots = torch.randperm(pool.shape[0], generator=g, device=device)[: 64 * BLOCK]
-    new = torch.randn(slots.numel(), 32, 128, generator=g, device=device, dtype=torch.bfloat16)
+    rows = max(batches) * BLOCK
+    pool = torch.zeros(10 * rows, kv_heads, head_dim, dtype=torch.bfloat16, device=device)
+    slots = torch.randperm(pool.shape[0], generator=g, device=device)[:rows]
+    new = torch.randn(rows, kv_heads, head_dim, generator=g, device=device, dtype=torch.bfloat16)
     got_pool, want_pool = pool.clone(), pool.clone()
     scatter_kv_triton(got_pool, slots, new)
     scatter_kv_reference(want_pool, slots, new)
