@@ -72,7 +72,9 @@ class DegreeCosts:
             secs += self.cache(float(cache_tokens))
         return secs
 
-    def throughput(self, mean_seq: float, block: int, budget: int, kv=None, max_req=None) -> float:
+    def throughput(
+        self, mean_seq: float, block: int, spb: float, budget: int, kv=None, max_req=None
+    ) -> float:
         seq = max(mean_seq, 1.0)
         room = float(budget)
         if kv is not None:
@@ -87,8 +89,9 @@ class DegreeCosts:
         max_seqs = max(float(math.floor(room / seq)), 1.0)
         if max_req is not None:
             max_seqs = min(max_seqs, float(max_req))
-        tokens = b * max_seqs * (b - 1.0) + max_seqs * seq
-        secs = self.cache_t.latency(b * max_seqs) * (b - 1.0) + self.full(max_seqs * seq)
+        cache_steps = max(min(spb, b) - 1.0, 0.0)
+        tokens = b * max_seqs * cache_steps + max_seqs * seq
+        secs = self.cache_t.latency(b * max_seqs) * cache_steps + self.full(max_seqs * seq)
         return tokens / secs
 
 
@@ -650,7 +653,12 @@ class ReferenceScheduler:
             slo_sum += r.deadline - r.arrival
         window = self.slo_window if self.slo_window is not None else slo_sum / n
         mean_seq = seq_sum / n
-        thr = [g.throughput(mean_seq, self.block_length, self.max_batch) for g in self.groups]
+        # Steps per block at each request's current cap.
+        total = sum(r.steps[r.cap][0] + r.steps[r.cap][1] for r in ordered)
+        blocks = sum(r.steps[r.cap][1] for r in ordered)
+        spb = total / blocks if blocks > 0 else float(self.block_length)
+        block = self.block_length
+        thr = [g.throughput(mean_seq, block, spb, self.max_batch) for g in self.groups]
         capacity = 0.0
         for inst in self.instances:
             if inst.alive and not inst.draining:
@@ -658,7 +666,7 @@ class ReferenceScheduler:
                     rate = thr[inst.group]
                 else:
                     rate = self.groups[inst.group].throughput(
-                        mean_seq, self.block_length, inst.budget, inst.kv, inst.max_req
+                        mean_seq, block, spb, inst.budget, inst.kv, inst.max_req
                     )
                 capacity += rate * window
         suffix = [0.0] * (n + 1)

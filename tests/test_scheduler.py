@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from pathlib import Path
@@ -137,11 +138,38 @@ def test_policy_presets_compose() -> None:
         load_control=False,
         instance_choice="least_loaded",
         migration=True,
+        load_model="window",
+        admission="off",
     )
+    q = Policy.dilaserve().window_load_control().without_admission()
+    assert (q.load_model, q.admission) == ("window", "off")
+
+
+def test_deadline_admission_rejects_what_cannot_finish_in_time(profile: LatencyProfile) -> None:
+    """Once a round has measured the capacity, an arrival that cannot meet its deadline even
+    at the lowest threshold is refused (reject) or queued behind the rest (best effort)."""
+    for admission in ("reject", "best_effort", "off"):
+        policy = dataclasses.replace(Policy.dilaserve(), admission=admission)
+        s = Scheduler(profile, SchedulerConfig(policy=policy))
+        s.add_instance(1, tp=1, gpus=[0])
+        for rid in range(20):
+            s.arrive(rid, arrival=0.0, deadline=100.0, prompt_len=1000, output_len=256)
+        s.schedule(0.0)
+        hopeless = {"arrival": 0.0, "deadline": 0.01, "prompt_len": 1000, "output_len": 256}
+        if admission == "reject":
+            with pytest.raises(AdmissionError, match="lowest threshold"):
+                s.arrive(99, **hopeless)
+            assert s.active_requests == 20, "a rejected arrival leaves no trace"
+        else:
+            s.arrive(99, **hopeless)
+            assert s.active_requests == 21
+        # A request with room to spare is always admitted.
+        s.arrive(100, arrival=0.0, deadline=1e6, prompt_len=10, output_len=32)
 
 
 def test_load_control_caps_later_requests(profile: LatencyProfile) -> None:
-    s = Scheduler(profile, SchedulerConfig(slo_window_s=4.0))
+    policy = Policy.dilaserve().window_load_control()
+    s = Scheduler(profile, SchedulerConfig(slo_window_s=4.5, policy=policy))
     s.add_instance(1, tp=1, gpus=[0])
     for rid in range(40):
         s.arrive(rid, arrival=float(rid), deadline=1e6, prompt_len=200, output_len=256)

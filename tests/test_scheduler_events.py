@@ -17,6 +17,7 @@ from dilaserve.scheduler import (
     FinishedRequest,
     LatencyProfile,
     Migration,
+    Policy,
     Scheduler,
     SchedulerConfig,
     SchedulerError,
@@ -211,7 +212,12 @@ def test_confidence_statistics(profile: LatencyProfile) -> None:
 
 
 def test_admission_while_overloaded(profile: LatencyProfile) -> None:
-    config = SchedulerConfig(max_batch_tokens=1000, slo_window_s=0.01, max_queued=2)
+    config = SchedulerConfig(
+        max_batch_tokens=1000,
+        slo_window_s=0.01,
+        max_queued=2,
+        policy=Policy.dilaserve().without_admission(),
+    )
     s = Scheduler(profile, config)
     s.add_instance(1, tp=1, gpus=[0])
     for rid in range(4):

@@ -95,6 +95,14 @@ class Policy:
     #: Threshold of every step when `threshold == "fixed"`.
     fixed_tau: float = 0.9
     load_control: bool = True
+    #: `forecast`: the active requests plus the arrivals expected within the SLO window,
+    #: against `target_utilisation` of capacity, one level for all (ours); `window`: DESIGN
+    #: §5 as written (active requests only; the earliest keep the highest thresholds).
+    load_model: Literal["forecast", "window"] = "forecast"
+    #: An arrival that cannot meet its deadline even at its lowest threshold under the
+    #: current load: `reject` (`AdmissionError`, HTTP 429), `best_effort` (served behind
+    #: every other request) or `off` (admitted like any other).
+    admission: Literal["reject", "best_effort", "off"] = "reject"
     load_order: Literal["arrival", "priority"] = "arrival"
     instance_choice: Literal["earliest_completion", "least_loaded"] = "earliest_completion"
     #: Let requests change instance between steps (with caching: before recompute steps).
@@ -117,6 +125,8 @@ class Policy:
             threshold="fixed",
             fixed_tau=tau,
             load_control=False,
+            load_model="window",
+            admission="off",
             instance_choice="least_loaded",
             migration=False,
         )
@@ -128,6 +138,13 @@ class Policy:
 
     def without_load_control(self) -> Policy:
         return dataclasses.replace(self, load_control=False)
+
+    def window_load_control(self) -> Policy:
+        """DESIGN §5's load control as written (the paper's policy)."""
+        return dataclasses.replace(self, load_model="window")
+
+    def without_admission(self) -> Policy:
+        return dataclasses.replace(self, admission="off")
 
     def without_migration(self) -> Policy:
         return dataclasses.replace(self, migration=False)
@@ -151,6 +168,9 @@ class SchedulerConfig:
     #: While load control finds the cluster overloaded, reject an arrival (`AdmissionError`)
     #: once this many requests wait for their first step. None admits everything.
     max_queued: int | None = None
+    #: Share of capacity the forecast load control plans to fill; the rest absorbs bursts
+    #: and prediction error.
+    target_utilisation: float = 0.9
     policy: Policy = field(default_factory=Policy)
     #: `(threshold, mean tokens per step)` points of the default predictor; None uses
     #: Fast-dLLM's GSM8K figures.
@@ -424,6 +444,9 @@ class Scheduler:
             max_queued=c.max_queued,
             predictor=getattr(c.predictor, "native", c.predictor),
             predictor_model=None if c.predictor_model is None else str(c.predictor_model),
+            load_model=p.load_model,
+            admission=p.admission,
+            target_utilisation=c.target_utilisation,
         )
 
     @property

@@ -14,9 +14,9 @@ use super::predictor::predictor_from_object;
 use super::profile::PyLatencyProfile;
 use crate::predictor::GbmPredictor;
 use crate::scheduler::{
-    FinishedRequest, InstanceChoice, InstanceSpec, LoadOrder, MeanRatePredictor, Policy,
-    Prediction, RequestSpec, SchedError, Scheduler, SchedulerConfig, StepPredictor, StepResult,
-    ThresholdPolicy,
+    Admission, FinishedRequest, InstanceChoice, InstanceSpec, LoadModel, LoadOrder,
+    MeanRatePredictor, Policy, Prediction, RequestSpec, SchedError, Scheduler, SchedulerConfig,
+    StepPredictor, StepResult, ThresholdPolicy,
 };
 
 create_exception!(
@@ -79,7 +79,9 @@ impl From<SchedError> for PyErr {
             | SchedError::UnknownThreshold { .. }
             | SchedError::RequestTooLarge { .. } => InvalidRequestError::new_err(msg),
             SchedError::UnknownRequest(_) => UnknownRequestError::new_err(msg),
-            SchedError::Admission { .. } => AdmissionError::new_err(msg),
+            SchedError::Admission { .. } | SchedError::Unmeetable { .. } => {
+                AdmissionError::new_err(msg)
+            }
             SchedError::InvalidInstance { .. }
             | SchedError::DuplicateInstance(_)
             | SchedError::GpuInUse { .. } => InvalidInstanceError::new_err(msg),
@@ -167,6 +169,23 @@ fn parse_instance_choice(name: &str) -> Result<InstanceChoice, SchedError> {
     }
 }
 
+fn parse_load_model(name: &str) -> Result<LoadModel, SchedError> {
+    match name {
+        "window" => Ok(LoadModel::Window),
+        "forecast" => Ok(LoadModel::Forecast),
+        other => Err(unknown("load model", other, "window or forecast")),
+    }
+}
+
+fn parse_admission(name: &str) -> Result<Admission, SchedError> {
+    match name {
+        "off" => Ok(Admission::Off),
+        "reject" => Ok(Admission::Reject),
+        "best_effort" => Ok(Admission::BestEffort),
+        other => Err(unknown("admission", other, "off, reject or best_effort")),
+    }
+}
+
 fn parse_prediction(name: &str, every: i64) -> Result<Prediction, SchedError> {
     match name {
         "online" => Ok(Prediction::Online {
@@ -180,7 +199,7 @@ fn parse_prediction(name: &str, every: i64) -> Result<Prediction, SchedError> {
 /// Step-level scheduler of DiLaServe (see `dilaserve.scheduler.Scheduler`).
 #[pyclass(name = "Scheduler", module = "dilaserve._core")]
 pub struct PyScheduler {
-    inner: Scheduler,
+    pub(super) inner: Scheduler,
 }
 
 #[pymethods]
@@ -190,7 +209,8 @@ impl PyScheduler {
         profile, *, thresholds, block_length, caching, max_batch_tokens, slo_window_s,
         threshold_policy, fixed_tau, load_control, load_order, instance_choice, migration,
         prediction, predict_every, predictor_rates, max_queued=None, predictor=None,
-        predictor_model=None,
+        predictor_model=None, load_model="forecast", admission="reject",
+        target_utilisation=0.9,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -212,10 +232,15 @@ impl PyScheduler {
         max_queued: Option<i64>,
         predictor: Option<&Bound<'_, PyAny>>,
         predictor_model: Option<PathBuf>,
+        load_model: &str,
+        admission: &str,
+        target_utilisation: f64,
     ) -> PyResult<Self> {
         let policy = Policy {
             threshold: parse_threshold(threshold_policy, fixed_tau)?,
             load_control,
+            load_model: parse_load_model(load_model)?,
+            admission: parse_admission(admission)?,
             load_order: parse_load_order(load_order)?,
             instance_choice: parse_instance_choice(instance_choice)?,
             migration,
@@ -234,6 +259,7 @@ impl PyScheduler {
             max_queued: max_queued
                 .map(|m| count("max_queued", m, SchedError::Config))
                 .transpose()?,
+            target_utilisation,
             policy,
         };
         let predictor: Box<dyn StepPredictor> = match (predictor, predictor_model, predictor_rates)

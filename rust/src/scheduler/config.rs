@@ -44,10 +44,34 @@ pub enum Prediction {
     OneShot,
 }
 
+/// What load control counts and how it lowers thresholds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LoadModel {
+    /// DESIGN §5 as written: the active requests over one SLO window; walking in load
+    /// order, the earliest keep the highest thresholds.
+    Window,
+    /// *(ours)* The active requests plus the arrivals expected within the window, against
+    /// `target_utilisation` of capacity; one level for all, the spare raising the earliest.
+    Forecast,
+}
+
+/// What happens to an arrival that cannot meet its deadline even at its lowest threshold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Admission {
+    /// Admitted like any other.
+    Off,
+    /// Rejected ([`super::SchedError::Unmeetable`]).
+    Reject,
+    /// Admitted behind every other request (served with what capacity is left).
+    BestEffort,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Policy {
     pub threshold: ThresholdPolicy,
     pub load_control: bool,
+    pub load_model: LoadModel,
+    pub admission: Admission,
     pub load_order: LoadOrder,
     pub instance_choice: InstanceChoice,
     /// Whether a request may change instance between steps (with caching: only before a
@@ -64,6 +88,8 @@ impl Policy {
         Self {
             threshold: ThresholdPolicy::SloAware,
             load_control: true,
+            load_model: LoadModel::Forecast,
+            admission: Admission::Reject,
             load_order: LoadOrder::Arrival,
             instance_choice: InstanceChoice::EarliestCompletion,
             migration: true,
@@ -76,6 +102,8 @@ impl Policy {
         Self {
             threshold: ThresholdPolicy::Fixed(tau),
             load_control: false,
+            load_model: LoadModel::Window,
+            admission: Admission::Off,
             load_order: LoadOrder::Arrival,
             instance_choice: InstanceChoice::LeastLoaded,
             migration: false,
@@ -95,6 +123,22 @@ impl Policy {
     pub fn without_load_control(self) -> Self {
         Self {
             load_control: false,
+            ..self
+        }
+    }
+
+    /// DiLaServe with DESIGN §5's load control as written (the paper's policy).
+    pub fn window_load_control(self) -> Self {
+        Self {
+            load_model: LoadModel::Window,
+            ..self
+        }
+    }
+
+    /// DiLaServe admitting every request.
+    pub fn without_admission(self) -> Self {
+        Self {
+            admission: Admission::Off,
             ..self
         }
     }
@@ -149,6 +193,9 @@ pub struct SchedulerConfig {
     /// rejected once this many requests are queued (arrived, never dispatched). `None`
     /// admits everything.
     pub max_queued: Option<u32>,
+    /// Share of capacity the forecast load control plans to fill: the rest absorbs bursts
+    /// and prediction error.
+    pub target_utilisation: f64,
     pub policy: Policy,
 }
 
@@ -161,6 +208,7 @@ impl Default for SchedulerConfig {
             max_batch_tokens: 8192,
             slo_window_s: None,
             max_queued: None,
+            target_utilisation: 0.9,
             policy: Policy::dilaserve(),
         }
     }
@@ -206,6 +254,12 @@ impl SchedulerConfig {
                     "SLO window must be positive and finite, got {w}"
                 )));
             }
+        }
+        if !(self.target_utilisation > 0.0 && self.target_utilisation <= 1.0) {
+            return Err(SchedError::Config(format!(
+                "target utilisation must be in (0, 1], got {}",
+                self.target_utilisation
+            )));
         }
         self.policy.validate()?;
         Ok(self)

@@ -36,6 +36,15 @@ pub enum SchedError {
         queued: u32,
         max_queued: u32,
     },
+    #[error(
+        "request {id} rejected: even at its lowest threshold it would take about \
+         {estimate_s:.3} s under the current load, more than its {slo_s:.3} s SLO"
+    )]
+    Unmeetable {
+        id: u64,
+        estimate_s: f64,
+        slo_s: f64,
+    },
     #[error("invalid instance {id}: {reason}")]
     InvalidInstance { id: u64, reason: String },
     #[error("instance {0} already exists")]

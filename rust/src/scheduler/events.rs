@@ -1,11 +1,12 @@
 //! Request events: arrivals, step reports and cancellations. Each checks its whole input
 //! before changing anything, so a rejected event leaves no trace.
 
-use super::config::Prediction;
+use super::config::{Admission, Prediction, ThresholdPolicy};
 use super::error::SchedError;
 use super::history::FinishedRequest;
+use super::load_control::request_load;
 use super::predictor::check_predictions;
-use super::request::{Request, RequestSpec};
+use super::request::{Request, RequestSpec, BEST_EFFORT};
 use super::Scheduler;
 use crate::profile::StepKind;
 
@@ -48,7 +49,8 @@ impl Scheduler {
         if self.requests.contains(spec.id) {
             return Err(SchedError::DuplicateRequest(spec.id));
         }
-        let (request, allowed) = Request::from_spec(&spec, &self.config, self.requests.next_seq())?;
+        let (mut request, allowed) =
+            Request::from_spec(&spec, &self.config, self.requests.next_seq())?;
         if let Some(max_queued) = self.config.max_queued.filter(|_| self.overloaded) {
             if self.queued >= max_queued {
                 return Err(SchedError::Admission {
@@ -67,10 +69,66 @@ impl Scheduler {
         self.predictor
             .predict_batch(&view, taus, &mut scratch.predicted)
             .and_then(|()| check_predictions(&view, taus, &scratch.predicted))?;
+        let (seq, block) = (request.seq_tokens() as f64, f64::from(request.block_length));
+        let caching = self.config.caching;
+        scratch.arrival_loads.clear();
+        scratch.arrival_loads.extend(
+            scratch
+                .predicted
+                .iter()
+                .map(|s| request_load(*s, seq, block, caching)),
+        );
+        let lowest = allowed.trailing_zeros() as usize;
+        if let Some(estimate_s) = self.unmeetable(&request, lowest, spec.deadline - spec.arrival) {
+            match self.config.policy.admission {
+                Admission::Off => {}
+                Admission::Reject => {
+                    return Err(SchedError::Unmeetable {
+                        id: spec.id,
+                        estimate_s,
+                        slo_s: spec.deadline - spec.arrival,
+                    })
+                }
+                Admission::BestEffort => request.seq |= BEST_EFFORT,
+            }
+        }
+        self.backlog_lowest += self.scratch.arrival_loads[lowest];
+        if request.seq & BEST_EFFORT == 0 {
+            self.forecast
+                .record(spec.arrival, &self.scratch.arrival_loads);
+        }
         let pos = self.requests.insert(request, allowed);
         self.requests.set_steps(pos, &self.scratch.predicted);
         self.queued += 1;
         Ok(())
+    }
+
+    /// *(ours)* Deadline admission: the seconds an arrival would take at its `lowest`
+    /// threshold sharing the whole cluster with every live request at its own lowest (or
+    /// alone on the fastest instance, if longer) — when that exceeds `slo_s`.
+    /// `None` when it fits, or before the first round has measured the capacity.
+    fn unmeetable(&self, request: &Request, lowest: usize, slo_s: f64) -> Option<f64> {
+        let active = matches!(self.config.policy.threshold, ThresholdPolicy::SloAware)
+            && self.config.policy.load_control
+            && self.config.policy.admission != Admission::Off;
+        if !active || self.capacity_rate <= 0.0 {
+            return None;
+        }
+        let steps = self.scratch.predicted[lowest];
+        let seq = request.seq_tokens() as f64;
+        let block = f64::from(request.block_length);
+        let alone = self
+            .groups
+            .iter()
+            .map(|g| steps.cache * g.cache(block, seq) + steps.recompute * g.full(seq))
+            .fold(f64::INFINITY, f64::min);
+        // Batched steps share the cluster among the live requests, so none delays this one
+        // by more than this one's own work: Σ min(load_j, own) ≤ min(Σ load_j, n × own).
+        let own = self.scratch.arrival_loads[lowest];
+        let ahead = self.backlog_lowest.min(self.requests.live() as f64 * own);
+        let shared = (ahead + own) / self.capacity_rate;
+        let estimate = shared.max(if alone.is_finite() { alone } else { 0.0 });
+        (estimate > slo_s || self.overloaded).then_some(estimate)
     }
 
     /// Takes a request out of the scheduler. If it is in flight, its instance's report may
@@ -134,6 +192,9 @@ impl Scheduler {
             match self.commit(pos, result.committed, result.finished) {
                 Commit::Finished => {
                     let r = *self.requests.req(pos);
+                    if self.reservation.is_some_and(|v| v.handle == r.handle) {
+                        self.reservation = None;
+                    }
                     if let Some(home) = r.home {
                         self.instances.slots[home as usize].drop_resident(r.seq_tokens());
                     }

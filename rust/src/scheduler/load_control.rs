@@ -1,5 +1,7 @@
 //! Adaptive load control (DESIGN §5, Alg. 2): caps each request's allowed thresholds so the
-//! cluster's worst-case load over one SLO window fits its capacity.
+//! cluster's worst-case load over one SLO window fits its capacity — as written
+//! ([`LoadControl::run`]: earliest requests keep the highest thresholds) and *(ours)* with
+//! the expected arrivals counted and one level shared by all ([`LoadControl::uniform`]).
 
 use super::predictor::StepsLeft;
 
@@ -19,6 +21,17 @@ pub fn request_load(steps: StepsLeft, seq_tokens: f64, block: f64, caching: bool
 #[derive(Clone, Debug, Default)]
 pub struct LoadControl {
     suffix: Vec<f64>,
+    totals: Vec<f64>,
+}
+
+/// Highest candidate in `mask` at or below `level`, or the lowest in `mask`.
+fn at_most(mask: u32, level: usize) -> usize {
+    let below = super::threshold::capped(mask, level);
+    if below == 0 {
+        mask.trailing_zeros() as usize
+    } else {
+        31 - below.leading_zeros() as usize
+    }
 }
 
 impl LoadControl {
@@ -65,6 +78,55 @@ impl LoadControl {
             set_cap(i, chosen);
         }
         self.suffix[0] > capacity
+    }
+
+    /// *(ours)* Lowers every request a little rather than the latest a lot: finds the
+    /// highest level `L` whose load — each request at its highest allowed candidate at or
+    /// below `L`, plus `expected[L]` from arrivals to come — fits `capacity`, caps everyone
+    /// at `L`, then raises requests one candidate further, in order, while the spare
+    /// capacity lasts. `k` candidates; `expected` holds `k` loads (or none).
+    ///
+    /// Returns the load of every request at its lowest candidate with the expected
+    /// arrivals at the lowest: beyond `capacity`, no cap can make the load fit.
+    #[allow(clippy::too_many_arguments)]
+    pub fn uniform(
+        &mut self,
+        n: usize,
+        k: usize,
+        capacity: f64,
+        expected: &[f64],
+        allowed: impl Fn(usize) -> u32,
+        load: impl Fn(usize, usize) -> f64,
+        mut set_cap: impl FnMut(usize, usize),
+    ) -> f64 {
+        let coming = |level: usize| expected.get(level).copied().unwrap_or(0.0);
+        self.totals.clear();
+        self.totals.extend((0..k).map(coming));
+        for i in 0..n {
+            let mask = allowed(i);
+            for (level, total) in self.totals.iter_mut().enumerate() {
+                *total += load(i, at_most(mask, level));
+            }
+        }
+        let level = (0..k).rev().find(|&l| self.totals[l] <= capacity);
+        // Nothing fits: everyone stays at the lowest.
+        let mut spare = level.map_or(f64::NEG_INFINITY, |l| capacity - self.totals[l]);
+        let level = level.unwrap_or(0);
+        for i in 0..n {
+            let mask = allowed(i);
+            let mut cap = at_most(mask, level);
+            let above = mask & !super::threshold::capped(mask, cap);
+            if above != 0 {
+                let next = above.trailing_zeros() as usize;
+                let extra = load(i, next) - load(i, cap);
+                if extra <= spare {
+                    spare -= extra;
+                    cap = next;
+                }
+            }
+            set_cap(i, cap);
+        }
+        self.totals.first().copied().unwrap_or(0.0)
     }
 }
 
@@ -120,6 +182,66 @@ mod tests {
         assert_eq!(request_load(s, 400.0, 32.0, false), 12.0 * 400.0);
     }
 
+    fn uniform(loads: &[Vec<f64>], masks: &[u32], capacity: f64, expected: &[f64]) -> Vec<usize> {
+        let mut caps = vec![usize::MAX; loads.len()];
+        let k = loads[0].len();
+        let _ = LoadControl::default().uniform(
+            loads.len(),
+            k,
+            capacity,
+            expected,
+            |i| masks[i],
+            |i, t| loads[i][t],
+            |i, t| caps[i] = t,
+        );
+        caps
+    }
+
+    #[test]
+    fn uniform_lowers_everyone_a_little_and_counts_arrivals_to_come() {
+        let loads = vec![vec![10.0, 20.0, 40.0]; 3];
+        let masks = [0b111; 3];
+        assert_eq!(uniform(&loads, &masks, 1000.0, &[]), vec![2, 2, 2]);
+        // 3 x 20 fits 70 and leaves 10: not enough to raise anyone to 40 (extra 20).
+        assert_eq!(uniform(&loads, &masks, 70.0, &[]), vec![1, 1, 1]);
+        // The paper's walk keeps the first request at the top and drops the last instead.
+        assert_eq!(run(&loads, &masks, 70.0), vec![2, 1, 0]);
+        // Spare capacity raises the earliest first.
+        assert_eq!(uniform(&loads, &masks, 80.0, &[]), vec![2, 1, 1]);
+        // Expected arrivals take their share: 30 + 3 x 20 > 80, so the level drops to 10
+        // (45 in all) and the spare 35 raises everyone one step.
+        assert_eq!(
+            uniform(&loads, &masks, 80.0, &[15.0, 30.0, 60.0]),
+            vec![1, 1, 1]
+        );
+        assert_eq!(
+            uniform(&loads, &masks, 60.0, &[15.0, 30.0, 60.0]),
+            vec![1, 0, 0]
+        );
+        // Allowed sets are respected.
+        assert_eq!(
+            uniform(&loads, &[0b100, 0b011, 0b111], 1000.0, &[]),
+            vec![2, 1, 2]
+        );
+        assert_eq!(
+            uniform(&loads, &[0b100, 0b011, 0b111], 5.0, &[]),
+            vec![2, 0, 0]
+        );
+        let lowest_load = |capacity: f64, expected: &[f64]| {
+            LoadControl::default().uniform(
+                3,
+                3,
+                capacity,
+                expected,
+                |_| 0b111,
+                |_, k| loads[0][k],
+                |_, _| {},
+            )
+        };
+        assert_eq!(lowest_load(30.0, &[]), 30.0);
+        assert_eq!(lowest_load(30.0, &[1.0, 1.0, 1.0]), 31.0);
+    }
+
     fn case() -> impl Strategy<Value = (Vec<Vec<f64>>, Vec<u32>, f64)> {
         (1usize..6).prop_flat_map(|k| {
             let row = prop::collection::vec(0.0f64..1000.0, k);
@@ -146,6 +268,21 @@ mod tests {
             }
             prop_assert!(all_lowest || total <= capacity * (1.0 + 1e-9) + 1e-9,
                 "total {total} > capacity {capacity}");
+        }
+
+        /// Uniform caps fit capacity unless everyone is at their lowest, and stay in the
+        /// allowed set.
+        #[test]
+        fn uniform_caps_fit_capacity((loads, masks, capacity) in case()) {
+            let caps = uniform(&loads, &masks, capacity, &[]);
+            let mut total = 0.0;
+            let mut all_lowest = true;
+            for (i, &k) in caps.iter().enumerate() {
+                prop_assert!(masks[i] & (1 << k) != 0, "cap outside the allowed set");
+                all_lowest &= k == masks[i].trailing_zeros() as usize;
+                total += loads[i][k];
+            }
+            prop_assert!(all_lowest || total <= capacity * (1.0 + 1e-9) + 1e-9);
         }
 
         /// More capacity never lowers the first request's cap.

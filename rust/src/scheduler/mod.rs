@@ -24,6 +24,7 @@ mod cost;
 mod decisions;
 mod error;
 mod events;
+mod forecast;
 mod history;
 mod instance;
 mod instance_events;
@@ -48,7 +49,8 @@ mod tests_events;
 mod tests_lifecycle;
 
 pub use config::{
-    InstanceChoice, LoadOrder, Policy, Prediction, SchedulerConfig, ThresholdPolicy, MAX_THRESHOLDS,
+    Admission, InstanceChoice, LoadModel, LoadOrder, Policy, Prediction, SchedulerConfig,
+    ThresholdPolicy, MAX_THRESHOLDS,
 };
 pub use cost::{DegreeCosts, Limits};
 pub use decisions::{
@@ -143,6 +145,13 @@ pub struct Scheduler {
     overloaded: bool,
     /// Live requests never dispatched yet.
     queued: u32,
+    /// Recent admitted arrivals, for the forecast load control.
+    forecast: forecast::ArrivalForecast,
+    /// Load tokens per second the serving instances process (last round).
+    capacity_rate: f64,
+    /// Load of every live request at its lowest allowed threshold (last round, plus the
+    /// arrivals admitted since): the work ahead of an arrival, for deadline admission.
+    backlog_lowest: f64,
 }
 
 impl Scheduler {
@@ -169,6 +178,9 @@ impl Scheduler {
             reservation: None,
             overloaded: false,
             queued: 0,
+            forecast: Default::default(),
+            capacity_rate: 0.0,
+            backlog_lowest: 0.0,
         })
     }
 

@@ -432,3 +432,67 @@ proptest! {
         h.round()?;
     }
 }
+
+/// A request reserved an instance while it had to leave its draining home, then stayed
+/// when the home was undrained and finished there: its reservation used to outlive it.
+#[test]
+fn a_finished_request_holds_no_reservation() {
+    let policy = Policy::dilaserve().without_migration();
+    let config = SchedulerConfig {
+        caching: false,
+        max_batch_tokens: 2000,
+        policy,
+        ..Default::default()
+    };
+    let mut h = Harness {
+        s: Scheduler::new(profile(), config).unwrap(),
+        policy,
+        caching: false,
+        ids: Vec::new(),
+        cancelled: Vec::new(),
+        next_id: 0,
+        next_instance: 0,
+        running: Vec::new(),
+        now: 0.0,
+    };
+    let arrive = |prompt, output| Op::Arrive {
+        prompt,
+        output,
+        slack: 0.0,
+        priority: 0,
+        subset: 0,
+    };
+    // Running batches are picked by index modulo their count: 1 is the TP-2 instance's.
+    let finish = |commit| Op::Finish {
+        pick: 1,
+        commit,
+        eos: false,
+    };
+    let none = Capacity(None, None, None);
+    let ops = [
+        Op::AddInstance(4, none),
+        Op::AddInstance(2, none),
+        arrive(481, 161),
+        arrive(163, 97),
+        arrive(514, 33),
+        arrive(395, 33),
+        Op::Schedule,
+        finish(2),
+        Op::Schedule,
+        finish(30),
+        Op::Schedule,
+        finish(21),
+        Op::Drain(1),
+        Op::Schedule,
+        Op::Undrain(1),
+        Op::Schedule,
+        finish(26),
+        Op::Abort(0),
+    ];
+    for op in &ops {
+        h.apply(op).unwrap();
+    }
+    for id in h.s.instance_ids() {
+        assert_eq!(h.s.instance(id).unwrap().reserved_for, None);
+    }
+}

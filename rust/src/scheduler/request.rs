@@ -43,6 +43,9 @@ impl RequestSpec {
     }
 }
 
+/// Bit of [`Request::seq`] marking a best-effort request: it sorts after every other.
+pub(crate) const BEST_EFFORT: u64 = 1 << 63;
+
 /// Live state of one request; `home` is an instance slot.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Request {

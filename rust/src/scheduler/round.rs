@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use super::config::ThresholdPolicy;
+use super::config::{LoadModel, ThresholdPolicy};
 use super::cost::{steps_per_block, DegreeCosts, Limits};
 use super::decisions::{
     Batch, BatchEntry, Decisions, Migration, MigrationReason, WaitReason, Waiting,
@@ -20,6 +20,9 @@ use super::reservation::{self, Reservation};
 use super::threshold::{capped, choose_threshold, StepPrices};
 use super::Scheduler;
 use crate::profile::StepKind;
+
+/// The arrival rate is measured over this many SLO windows.
+const FORECAST_WINDOWS: f64 = 4.0;
 
 /// Buffers reused by every round and event, so steady-state operation does not allocate.
 #[derive(Clone, Debug, Default)]
@@ -39,10 +42,14 @@ pub(crate) struct RoundScratch {
     entry_handles: Vec<u32>,
     /// Instance slot of each emitted batch.
     batch_slots: Vec<u32>,
+    /// Load expected from arrivals within the window, per candidate threshold.
+    expected: Vec<f64>,
     pub reservation: reservation::Scratch,
     pub pending: Vec<u32>,
     pub views: Vec<RequestView>,
     pub predicted: Vec<StepsLeft>,
+    /// Loads of an arriving request at each candidate threshold.
+    pub arrival_loads: Vec<f64>,
     pub reported: Vec<(u32, usize)>,
     pub finished: Vec<FinishedRequest>,
     pub aborted: Vec<u64>,
@@ -104,7 +111,7 @@ impl Scheduler {
         if matches!(self.config.policy.threshold, ThresholdPolicy::SloAware)
             && self.config.policy.load_control
         {
-            self.overloaded = self.control_load();
+            self.overloaded = self.control_load(now);
         }
         self.decisions.overloaded = self.overloaded;
         self.place(now);
@@ -115,7 +122,7 @@ impl Scheduler {
 
     /// DESIGN §5: caps every active request's thresholds so worst-case load fits capacity.
     /// Returns whether even the lowest thresholds exceed it (overload).
-    fn control_load(&mut self) -> bool {
+    fn control_load(&mut self, now: f64) -> bool {
         let live = self.requests.live();
         if live == 0 {
             return false;
@@ -131,8 +138,11 @@ impl Scheduler {
         let (block, max_tokens) = (self.config.block_length, self.config.max_batch_tokens);
         // Steps per block at the thresholds requests may use now (their current caps).
         let caps = self.requests.caps();
+        let reqs = self.requests.reqs();
         let spb = steps_per_block(
-            (0..self.requests.len()).map(|p| self.requests.steps_of(p as u32)[caps[p] as usize]),
+            (0..reqs.len())
+                .filter(|&p| reqs[p].alive)
+                .map(|p| self.requests.steps_of(p as u32)[caps[p] as usize]),
         )
         .unwrap_or(f64::from(block));
         let throughput = &mut self.scratch.throughput;
@@ -158,16 +168,37 @@ impl Scheduler {
                 capacity += rate * window;
             }
         }
+        self.capacity_rate = capacity / window;
         let k = self.config.thresholds.len();
         let n = self.requests.len();
         let (allowed, loads, caps) = self.requests.load_lanes();
-        self.scratch.load.run(
-            n,
-            capacity,
-            |i| allowed[i],
-            |i, t| loads[i * k + t],
-            |i, t| caps[i] = t as u8,
-        )
+        self.backlog_lowest = (0..n)
+            .map(|i| loads[i * k + allowed[i].trailing_zeros() as usize])
+            .sum();
+        match self.config.policy.load_model {
+            LoadModel::Window => self.scratch.load.run(
+                n,
+                capacity,
+                |i| allowed[i],
+                |i, t| loads[i * k + t],
+                |i, t| caps[i] = t as u8,
+            ),
+            LoadModel::Forecast => {
+                let expected = &mut self.scratch.expected;
+                self.forecast
+                    .expected(now, window, FORECAST_WINDOWS * window, expected);
+                let lowest = self.scratch.load.uniform(
+                    n,
+                    k,
+                    capacity * self.config.target_utilisation,
+                    expected,
+                    |i| allowed[i],
+                    |i, t| loads[i * k + t],
+                    |i, t| caps[i] = t as u8,
+                );
+                lowest > capacity
+            }
+        }
     }
 
     /// DESIGN §6: puts every ready request in an instance's next batch, or records why it

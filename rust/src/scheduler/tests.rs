@@ -255,9 +255,10 @@ fn baselines_keep_their_threshold_and_infaas_never_migrates() {
 }
 
 #[test]
-fn load_control_lowers_later_requests_first() {
+fn window_load_control_lowers_later_requests_first() {
     let config = SchedulerConfig {
-        slo_window_s: Some(6.0),
+        slo_window_s: Some(4.5),
+        policy: Policy::dilaserve().window_load_control(),
         ..Default::default()
     };
     let mut s = Scheduler::new(profile(), config).unwrap();
@@ -283,6 +284,49 @@ fn load_control_lowers_later_requests_first() {
     }
     s.schedule(0.0).unwrap();
     assert!((0..40).all(|id| s.request(id).unwrap().max_tau == 0.9));
+}
+
+#[test]
+fn forecast_load_control_lowers_everyone_alike_and_counts_arrivals_to_come() {
+    const N: usize = 8;
+    let caps_after = |arrivals: &[f64]| {
+        let config = SchedulerConfig {
+            slo_window_s: Some(4.0),
+            ..Default::default()
+        };
+        let mut s = Scheduler::new(profile(), config).unwrap();
+        s.add_instance(instance(1, 1)).unwrap();
+        for (id, &t) in arrivals.iter().enumerate() {
+            s.arrive(RequestSpec::new(id as u64, t, 1e6, 200, 256))
+                .unwrap();
+        }
+        let now = arrivals.last().copied().unwrap_or(0.0);
+        s.schedule(now).unwrap();
+        (0..arrivals.len() as u64)
+            .map(|id| s.request(id).unwrap().max_tau)
+            .collect::<Vec<f64>>()
+    };
+    // N requests at once: no rate is known beyond them, the level is shared.
+    let burst = caps_after(&[0.0; N]);
+    assert!(burst.windows(2).all(|w| w[0] >= w[1]), "{burst:?}");
+    assert!(
+        burst[0] - burst[N - 1] <= 0.1 + 1e-9,
+        "one level apart at most: {burst:?}"
+    );
+    assert!(burst[N - 1] > 0.5, "{burst:?}");
+    // N live requests again, after arrivals at N per second for a minute: the expected
+    // arrivals take capacity, so every cap is lower.
+    let steady: Vec<f64> = (0..60 * N).map(|i| i as f64 / N as f64).collect();
+    let caps = caps_after(&steady);
+    let last = &caps[caps.len() - N..];
+    assert!(
+        last.iter().zip(&burst).all(|(a, b)| a <= b),
+        "{last:?} vs {burst:?}"
+    );
+    assert!(
+        last.iter().zip(&burst).any(|(a, b)| a < b),
+        "{last:?} vs {burst:?}"
+    );
 }
 
 #[test]
@@ -405,7 +449,11 @@ fn script(policy: Policy) -> Vec<Decisions> {
 
 #[test]
 fn same_inputs_give_same_decisions() {
-    for policy in [Policy::dilaserve(), Policy::llumnix_like(0.9)] {
+    // Admission off: the script's deadlines are tight enough to turn arrivals away.
+    for policy in [
+        Policy::dilaserve().without_admission(),
+        Policy::llumnix_like(0.9),
+    ] {
         let a = script(policy);
         let b = script(policy);
         assert_eq!(a.len(), b.len());

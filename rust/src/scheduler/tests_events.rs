@@ -177,6 +177,7 @@ fn arrivals_past_max_queued_are_rejected_while_overloaded() {
         max_batch_tokens: 1000,
         slo_window_s: Some(0.01),
         max_queued: Some(2),
+        policy: Policy::dilaserve().without_admission(),
         ..Default::default()
     };
     let mut s = Scheduler::new(profile(), config).unwrap();
