@@ -6,6 +6,7 @@ pub mod planner;
 pub mod predictor;
 pub mod profile;
 pub mod scheduler;
+pub mod sim;
 
 #[cfg(feature = "python")]
 mod bindings;

@@ -8,11 +8,13 @@ mod planner;
 mod predictor;
 mod profile;
 mod scheduler;
+mod sim;
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     profile::register(m)?;
     scheduler::register(m)?;
     decisions::register(m)?;
     planner::register(m)?;
+    sim::register(m)?;
     predictor::register(m)
 }

@@ -26,7 +26,7 @@ create_exception!(
     "The MILP solver failed or is not compiled in."
 );
 
-fn to_py(e: PlannerError) -> PyErr {
+pub(super) fn to_py(e: PlannerError) -> PyErr {
     match e {
         PlannerError::Profile(p) => p.into(),
         PlannerError::Solver { .. } | PlannerError::SolverUnavailable(_) => {

@@ -1,0 +1,134 @@
+//! Python view of the simulator: the workload and the results cross as columns (one list
+//! per field), the progress model and replanning options as JSON. The run keeps the GIL:
+//! the scheduler may call a predictor written in Python.
+
+use pyo3::create_exception;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use super::planner::to_py as planner_error;
+use super::scheduler::PyScheduler;
+use crate::scheduler::InstanceSpec;
+use crate::sim::{self, ProgressModel, ReplanOptions, SimError, SimOptions, SimRequest};
+
+create_exception!(
+    dilaserve._core,
+    SimInputError,
+    PyValueError,
+    "The simulator's inputs are invalid: a malformed progress model or workload, a used scheduler, ..."
+);
+
+fn to_py(e: SimError) -> PyErr {
+    match e {
+        SimError::Scheduler(s) => s.into(),
+        SimError::Planner(p) => planner_error(p),
+        other => SimInputError::new_err(other.to_string()),
+    }
+}
+
+/// Checks a progress-model JSON document; returns it normalized.
+#[pyfunction]
+fn check_progress_json(text: &str) -> PyResult<String> {
+    Ok(ProgressModel::from_json(text).map_err(to_py)?.to_json())
+}
+
+/// Runs a workload through `scheduler` (fresh) on `instances` (`(id, tp, gpus, node)`).
+/// Returns `(columns, stats)`: per-request lists in the workload's order, and run counters.
+#[pyfunction]
+#[pyo3(signature = (
+    scheduler, instances, arrival, prompt_len, output_len, slo_s, progress_json, *,
+    seed=0, round_quantum_s=0.0, replan_json=None,
+))]
+#[allow(clippy::too_many_arguments)]
+fn simulate<'py>(
+    py: Python<'py>,
+    scheduler: &mut PyScheduler,
+    instances: Vec<(u64, u32, Vec<u32>, u32)>,
+    arrival: Vec<f64>,
+    prompt_len: Vec<u32>,
+    output_len: Vec<u32>,
+    slo_s: Vec<f64>,
+    progress_json: &str,
+    seed: u64,
+    round_quantum_s: f64,
+    replan_json: Option<&str>,
+) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyDict>)> {
+    let n = arrival.len();
+    if [prompt_len.len(), output_len.len(), slo_s.len()] != [n, n, n] {
+        return Err(SimInputError::new_err(
+            "arrival, prompt_len, output_len and slo_s must have the same length",
+        ));
+    }
+    let requests: Vec<SimRequest> = (0..n)
+        .map(|i| SimRequest {
+            arrival: arrival[i],
+            prompt_len: prompt_len[i],
+            output_len: output_len[i],
+            slo_s: slo_s[i],
+        })
+        .collect();
+    let progress = ProgressModel::from_json(progress_json).map_err(to_py)?;
+    let replan: Option<ReplanOptions> = replan_json
+        .map(serde_json::from_str)
+        .transpose()
+        .map_err(|e| SimInputError::new_err(format!("replan options: {e}")))?;
+    let specs: Vec<InstanceSpec> = instances
+        .into_iter()
+        .map(|(id, tp, gpus, node)| InstanceSpec::new(id, tp, gpus, node))
+        .collect();
+    let options = SimOptions {
+        seed,
+        round_quantum_s,
+        replan,
+    };
+    let result = sim::simulate(&mut scheduler.inner, &specs, &requests, &progress, &options)
+        .map_err(to_py)?;
+
+    let columns = PyDict::new(py);
+    let o = &result.requests;
+    columns.set_item("arrival", o.iter().map(|r| r.arrival).collect::<Vec<_>>())?;
+    columns.set_item("deadline", o.iter().map(|r| r.deadline).collect::<Vec<_>>())?;
+    let finish = o.iter().map(|r| r.finish.unwrap_or(f64::NAN));
+    columns.set_item("finish", finish.collect::<Vec<_>>())?;
+    columns.set_item("rejected", o.iter().map(|r| r.rejected).collect::<Vec<_>>())?;
+    columns.set_item("steps", o.iter().map(|r| r.steps).collect::<Vec<_>>())?;
+    let recompute = o.iter().map(|r| r.recompute_steps);
+    columns.set_item("recompute_steps", recompute.collect::<Vec<_>>())?;
+    columns.set_item("mean_tau", o.iter().map(|r| r.mean_tau).collect::<Vec<_>>())?;
+    columns.set_item("min_tau", o.iter().map(|r| r.min_tau).collect::<Vec<_>>())?;
+    columns.set_item(
+        "migrations",
+        o.iter().map(|r| r.migrations).collect::<Vec<_>>(),
+    )?;
+    columns.set_item(
+        "instances",
+        o.iter().map(|r| r.instances).collect::<Vec<_>>(),
+    )?;
+    columns.set_item("queue_s", o.iter().map(|r| r.queue_s).collect::<Vec<_>>())?;
+    columns.set_item("accuracy", o.iter().map(|r| r.accuracy).collect::<Vec<_>>())?;
+
+    let s = &result.stats;
+    let stats = PyDict::new(py);
+    stats.set_item("rounds", s.rounds)?;
+    stats.set_item("steps", s.steps)?;
+    stats.set_item("step_seconds", s.step_seconds)?;
+    stats.set_item("sched_seconds", s.sched_seconds)?;
+    stats.set_item("step_path_seconds", s.step_path_seconds)?;
+    stats.set_item("sched_share_of_step_time", s.sched_share_of_step_time())?;
+    stats.set_item("end_time", s.end_time)?;
+    stats.set_item("replans", s.replans)?;
+    stats.set_item("plans_adopted", s.plans_adopted)?;
+    stats.set_item("launches", s.launches)?;
+    stats.set_item("stops", s.stops)?;
+    stats.set_item("plan_seconds", s.plan_seconds)?;
+    stats.set_item("wall_seconds", s.wall_seconds)?;
+    Ok((columns, stats))
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(simulate, m)?)?;
+    m.add_function(wrap_pyfunction!(check_progress_json, m)?)?;
+    m.add("SimInputError", m.py().get_type::<SimInputError>())?;
+    Ok(())
+}
