@@ -19,7 +19,7 @@ import numpy as np
 
 from dilaserve import _core
 from dilaserve.bench.report import Summary
-from dilaserve.bench.workload import gamma_times, poisson_times
+from dilaserve.bench.workload import compressed, gamma_times, poisson_times
 from dilaserve.planner import (
     Arrival,
     BinSpec,
@@ -114,9 +114,7 @@ class Workload:
     ) -> Workload:
         """A trace (`bench.workload.read_trace` rows) compressed in time to `rate` requests
         per second, its bursts and lengths kept, cut at `duration_s`."""
-        span = trace[-1][0] or 1.0
-        scale = len(trace) / span / rate
-        rows = [(t / scale, p, o) for t, p, o in trace if t / scale < duration_s]
+        rows = [row for row in compressed(trace, rate) if row[0] < duration_s]
         return cls(
             np.asarray([r[0] for r in rows], dtype=np.float64),
             np.asarray([max(1, r[1]) for r in rows], dtype=np.uint32),

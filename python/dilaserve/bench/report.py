@@ -57,8 +57,11 @@ def summarize(policy: str, rate: float, outcomes: Sequence[Outcome], duration: f
     )
 
 
-def plot(summaries: Sequence[Summary], path: str | Path) -> Path:
-    """Attainment and mean latency against rate, one line per policy."""
+def plot(
+    summaries: Sequence[Summary], path: str | Path, x_label: str = "request rate (req/s)"
+) -> Path:
+    """Attainment and mean latency against rate (or what `rate` holds: `x_label`), one
+    line per policy."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -70,8 +73,8 @@ def plot(summaries: Sequence[Summary], path: str | Path) -> Path:
         rates = [s.rate for s in mine]
         att.plot(rates, [100 * s.attainment for s in mine], marker="o", label=policy)
         lat.plot(rates, [s.mean_latency_s for s in mine], marker="o", label=policy)
-    att.set(xlabel="request rate (req/s)", ylabel="SLO attainment (%)", title="attainment")
-    lat.set(xlabel="request rate (req/s)", ylabel="mean latency (s)", title="latency")
+    att.set(xlabel=x_label, ylabel="SLO attainment (%)", title="attainment")
+    lat.set(xlabel=x_label, ylabel="mean latency (s)", title="latency")
     for ax in (att, lat):
         ax.grid(alpha=0.3)
         ax.legend()

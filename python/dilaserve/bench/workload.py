@@ -54,6 +54,16 @@ def read_trace(path: str | Path) -> list[tuple[float, int, int]]:
     return sorted((t - start, c, g) for t, c, g in rows)
 
 
+def compressed(
+    trace: list[tuple[float, int, int]], rate: float
+) -> list[tuple[float, int, int]]:
+    """The trace's rows with their times scaled so that requests arrive at `rate` per
+    second on average, bursts kept."""
+    span = trace[-1][0] or 1.0
+    trace_s_per_s = rate * span / len(trace)  # trace seconds per benchmark second
+    return [(t / trace_s_per_s, p, o) for t, p, o in trace]
+
+
 def trace_arrivals(
     trace: list[tuple[float, int, int]],
     rate: float,
@@ -64,11 +74,8 @@ def trace_arrivals(
     """The trace's arrival pattern compressed in time to `rate` requests per second (its
     bursts kept), cut at `duration`; each output length, times `length_scale`, picks the
     task whose answers are closest in length."""
-    span = trace[-1][0] or 1.0
-    scale = len(trace) / span / rate  # trace seconds per benchmark second
     arrivals = []
-    for t, _, generated in trace:
-        when = t / scale
+    for when, _, generated in compressed(trace, rate):
         if when >= duration:
             break
         target = generated * length_scale
