@@ -78,13 +78,31 @@ def paper_experiments(args) -> None:
     for s in (ours, inf, llu, *(at_knee[a, knee] for a in ABLATIONS)):
         print(json.dumps({"sim16_knee": s.to_dict()}))
     emit("sim16_knee_rate", knee, "req/s", "infaas,llumnix < 75 % attainment")
-    emit("sim16_attainment_gain_pp_vs_infaas", 100 * (ours.attainment - inf.attainment),
-         "pp", "infaas", target=">= 21", rate=knee)
-    emit("sim16_attainment_gain_pp_vs_llumnix", 100 * (ours.attainment - llu.attainment),
-         "pp", "llumnix", target=">= 30", rate=knee)
+    emit(
+        "sim16_attainment_gain_pp_vs_infaas",
+        100 * (ours.attainment - inf.attainment),
+        "pp",
+        "infaas",
+        target=">= 21",
+        rate=knee,
+    )
+    emit(
+        "sim16_attainment_gain_pp_vs_llumnix",
+        100 * (ours.attainment - llu.attainment),
+        "pp",
+        "llumnix",
+        target=">= 30",
+        rate=knee,
+    )
     best = min(inf.mean_latency_s, llu.mean_latency_s)
-    emit("sim16_latency_ratio_vs_best_baseline", ours.mean_latency_s / best, "ratio",
-         "best of infaas, llumnix (mean latency)", target="<= 0.65", rate=knee)
+    emit(
+        "sim16_latency_ratio_vs_best_baseline",
+        ours.mean_latency_s / best,
+        "ratio",
+        "best of infaas, llumnix (mean latency)",
+        target="<= 0.65",
+        rate=knee,
+    )
 
     # Never worse than any fixed τ at equal quality, from light load to 1.5 × the knee.
     frontier_rates = [r for r in rates if r <= 1.5 * knee][:: 2 if args.quick else 1]
@@ -96,13 +114,24 @@ def paper_experiments(args) -> None:
         if rivals:
             gaps.append((100 * (mine.attainment - max(r.attainment for r in rivals)), rate))
     worst, worst_rate = min(gaps)
-    emit("sim16_worst_gap_pp_vs_fixed_frontier", worst, "pp",
-         "best fixed τ with mean τ >= ours, same instance choice", target=">= 0",
-         rate=worst_rate)
+    emit(
+        "sim16_worst_gap_pp_vs_fixed_frontier",
+        worst,
+        "pp",
+        "best fixed τ with mean τ >= ours, same instance choice",
+        target=">= 0",
+        rate=worst_rate,
+    )
 
     over = sweep(setup, trace, ("dilaserve",), [2 * knee], args.duration)["dilaserve", 2 * knee]
-    emit("sim16_overload_goodput_ratio", over.goodput_rps / ours.goodput_rps, "ratio",
-         "goodput at the knee", target=">= 0.8", knee=knee)
+    emit(
+        "sim16_overload_goodput_ratio",
+        over.goodput_rps / ours.goodput_rps,
+        "ratio",
+        "goodput at the knee",
+        target=">= 0.8",
+        knee=knee,
+    )
 
     every = {**base, **at_knee, **front}
     summaries = [s for (p, _), s in sorted(every.items()) if p in ("dilaserve", *BASELINES)]
@@ -123,8 +152,15 @@ def paper_experiments(args) -> None:
     for policy in ("dilaserve", "no-reconfig", *BASELINES):
         run = simulate(dataclasses.replace(setup, replan_interval_s=300.0), policy, day, knee * 0.8)
         s = run.summary()
-        print(json.dumps({"sim16_day_2h": s.to_dict(), "replans": run.stats["replans"],
-                          "launches": run.stats["launches"]}))
+        print(
+            json.dumps(
+                {
+                    "sim16_day_2h": s.to_dict(),
+                    "replans": run.stats["replans"],
+                    "launches": run.stats["launches"],
+                }
+            )
+        )
 
 
 def scale_experiment(args) -> None:
@@ -138,10 +174,21 @@ def scale_experiment(args) -> None:
     wall = time.perf_counter() - started
     s = run.summary()
     print(json.dumps({"sim1024": s.to_dict(), "stats": run.stats}))
-    emit("sim_s_1m_req_1024gpu" if n == 1_000_000 else "sim_s_100k_req_1024gpu", wall, "s",
-         "wall clock", target="<= 60", requests=len(workload))
-    emit("sched_share_of_step_time_1024gpu", run.stats["sched_share_of_step_time"], "ratio",
-         "mean simulated step time", target="<= 0.01")
+    emit(
+        "sim_s_1m_req_1024gpu" if n == 1_000_000 else "sim_s_100k_req_1024gpu",
+        wall,
+        "s",
+        "wall clock",
+        target="<= 60",
+        requests=len(workload),
+    )
+    emit(
+        "sched_share_of_step_time_1024gpu",
+        run.stats["sched_share_of_step_time"],
+        "ratio",
+        "mean simulated step time",
+        target="<= 0.01",
+    )
 
 
 def main() -> None:

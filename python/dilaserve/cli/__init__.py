@@ -6,10 +6,20 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from dilaserve.cli import bench, eval, generate, plan, predictor, profile, serve, train_tiny
+from dilaserve.cli import (
+    bench,
+    eval,
+    generate,
+    plan,
+    predictor,
+    profile,
+    serve,
+    simulate,
+    train_tiny,
+)
 
 # Each module registers its subcommand; adding a command is one file and one line here.
-COMMANDS = [serve, bench, generate, eval, profile, plan, train_tiny, predictor]
+COMMANDS = [serve, bench, simulate, generate, eval, profile, plan, train_tiny, predictor]
 
 
 def build_parser() -> argparse.ArgumentParser:

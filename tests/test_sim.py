@@ -1,0 +1,102 @@
+"""The simulator's Python face: progress models from recorded decoding, the live
+scheduler's policies in simulated time, results in `dilaserve bench`'s shape, the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from dilaserve.bench.report import Summary
+from dilaserve.cli import main
+from dilaserve.predictor import progress as progress_model
+from dilaserve.profiles import SIMULATED_LLADA8B
+from dilaserve.scheduler import LatencyProfile
+from dilaserve.sim import ClusterSetup, SimInputError, Workload, place, simulate
+from dilaserve.tiny import default_model_dir
+
+TRACES = Path(__file__).parent / "predictor" / "data" / "tiny_traces.parquet"
+ACCURACY = {0.5: 0.8, 0.6: 0.88, 0.7: 0.95, 0.8: 0.98, 0.9: 0.99, 1.0: 0.99}
+LENGTHS = [(100, 128), (400, 256), (1200, 200)]
+
+
+@pytest.fixture(scope="module")
+def setup() -> ClusterSetup:
+    tiny = progress_model.load(default_model_dir() / "progress.json")
+    rates = [(0.5, 7.0), (0.7, 5.1), (0.9, 3.25), (1.0, 1.0)]
+    return ClusterSetup(
+        profile=LatencyProfile.load(str(SIMULATED_LLADA8B)),
+        progress=progress_model.rescaled(tiny, rates),
+        node_gpus=(4,),
+        layout=(1, 1, 1, 1),
+        replan_interval_s=None,
+    )
+
+
+def test_progress_model_from_recorded_decoding() -> None:
+    model = progress_model.check(progress_model.progress_model(pq.read_table(TRACES), ACCURACY))
+    rates = dict(progress_model.mean_rates(model))
+    assert sorted(rates) == sorted(ACCURACY)
+    # Lower thresholds commit more per step; τ = 1.0 commits the fewest.
+    assert rates[0.5] > rates[0.7] > rates[0.9] > rates[1.0] >= 1.0
+    with pytest.raises(ValueError, match="no accuracy"):
+        progress_model.progress_model(pq.read_table(TRACES), {0.5: 0.8})
+    scaled = progress_model.rescaled(model, [(0.5, 7.0), (1.0, 1.0)])
+    means = dict(progress_model.mean_rates(scaled))
+    assert means[0.5] == pytest.approx(7.0, rel=0.05)
+    bad = dict(model, accuracy=[2.0] * len(model["thresholds"]))
+    with pytest.raises(SimInputError, match="accuracies"):
+        progress_model.check(bad)
+
+
+def test_policies_run_on_the_live_scheduler_in_simulated_time(setup: ClusterSetup) -> None:
+    light = Workload.synthetic("poisson", 1.0, 60.0, LENGTHS, seed=1)
+    heavy = Workload.synthetic("poisson", 24.0, 60.0, LENGTHS, seed=1)
+    runs = {
+        (p, name): simulate(setup, p, w, rate).summary()
+        for p in ("dilaserve", "infaas")
+        for name, w, rate in (("light", light, 1.0), ("heavy", heavy, 24.0))
+    }
+    assert set(dataclasses.asdict(runs["dilaserve", "light"])) == {
+        f.name for f in dataclasses.fields(Summary)
+    }
+    assert runs["dilaserve", "light"].attainment == 1.0
+    assert runs["dilaserve", "light"].mean_tau == pytest.approx(0.9)
+    assert runs["infaas", "heavy"].mean_tau == pytest.approx(0.9)
+    # Under load the SLO-aware policy lowers τ, and keeps more requests within their SLO.
+    assert runs["dilaserve", "heavy"].mean_tau < 0.9
+    assert runs["dilaserve", "heavy"].attainment > runs["infaas", "heavy"].attainment
+    assert runs["dilaserve", "heavy"].accuracy < runs["infaas", "heavy"].accuracy
+
+
+def test_day_workload_follows_its_shape_and_layouts_pack_nodes() -> None:
+    day = Workload.synthetic("day", 10.0, 1000.0, LENGTHS, seed=2)
+    counts, _ = np.histogram(day.arrival, bins=4, range=(0, 1000))
+    assert counts[0] < counts[1] and counts[3] < counts[2], counts
+    assert 0.85 * 10_000 < len(day) < 1.15 * 10_000
+    placed = place([1, 2, 4, 1], [4, 4])
+    assert sorted(tp for _, tp, _, _ in placed) == [1, 1, 2, 4]
+    assert all(len(gpus) == tp for _, tp, gpus, _ in placed)
+    with pytest.raises(ValueError, match="does not fit"):
+        place([4, 4, 4], [4, 4])
+
+
+def test_simulate_cli_prints_bench_lines(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "sim.jsonl"
+    code = main(
+        ["simulate", "--nodes", "1", "--arrivals", "poisson", "--rates", "2,4",
+         "--duration", "20", "--policies", "dilaserve,fixed-0.7", "--replan-interval", "0",
+         "--quiet", "--out", str(out), "--plot", str(tmp_path / "sim.png")]
+    )  # fmt: skip
+    assert code == 0
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [(x["policy"], x["rate"]) for x in lines] == [
+        ("dilaserve", 2.0), ("fixed-0.7", 2.0), ("dilaserve", 4.0), ("fixed-0.7", 4.0)
+    ]  # fmt: skip
+    assert (tmp_path / "sim.png").stat().st_size > 0
+    assert main(["simulate", "--policies", "nope", "--quiet"]) == 2
+    assert "unknown policy" in capsys.readouterr().err
