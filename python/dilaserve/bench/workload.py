@@ -54,9 +54,7 @@ def read_trace(path: str | Path) -> list[tuple[float, int, int]]:
     return sorted((t - start, c, g) for t, c, g in rows)
 
 
-def compressed(
-    trace: list[tuple[float, int, int]], rate: float
-) -> list[tuple[float, int, int]]:
+def compressed(trace: list[tuple[float, int, int]], rate: float) -> list[tuple[float, int, int]]:
     """The trace's rows with their times scaled so that requests arrive at `rate` per
     second on average, bursts kept."""
     span = trace[-1][0] or 1.0
