@@ -12,7 +12,14 @@ from dilaserve.bench.client import Client
 from dilaserve.bench.report import summarize
 from dilaserve.bench.workload import poisson_times, read_trace, task_arrivals, trace_arrivals
 from dilaserve.cli import build_parser
-from dilaserve.cli.serve import engine_config, parse_instances, settings_from
+from dilaserve.cli.serve import (
+    DEFAULTS,
+    engine_config,
+    parse_instances,
+    policy_from,
+    settings_from,
+)
+from dilaserve.scheduler import Policy
 
 TRACE = "../shared/traces/azure_llm_2023_conv.csv"
 
@@ -67,3 +74,15 @@ def test_bench_client_against_a_live_server(start_server):
     assert summary.requests == len(arrivals) and summary.rejected == 0
     assert 0.0 <= summary.attainment <= 1.0 and summary.accuracy > 0.5
     assert summary.p50_latency_s <= summary.p99_latency_s
+
+
+def test_serve_policy_flags_compose() -> None:
+    def policy(**flags):
+        return policy_from({**DEFAULTS, **flags})
+
+    assert policy() == Policy.dilaserve()
+    assert policy(admission="best-effort").admission == "best_effort"
+    assert policy(admission="off", load_model="window") == (
+        Policy.dilaserve().without_admission().window_load_control()
+    )
+    assert policy(policy="infaas").admission == "off"

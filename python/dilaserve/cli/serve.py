@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import tomllib
@@ -33,6 +34,8 @@ DEFAULTS = {
     "no_load_control": False,
     "no_migration": False,
     "one_shot": False,
+    "admission": None,
+    "load_model": None,
     "max_queued": None,
     "max_requests_per_instance": 64,
     "kv_cache_memory": None,
@@ -75,6 +78,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-load-control", action="store_true", help="ablation")
     p.add_argument("--no-migration", action="store_true", help="ablation")
     p.add_argument("--one-shot", action="store_true", help="ablation: one-shot prediction")
+    p.add_argument(
+        "--admission",
+        choices=["reject", "best-effort", "off"],
+        help="a request that cannot meet its SLO even at the lowest threshold under the "
+        "current load: 429 (reject, DiLaServe's default), served behind the rest "
+        "(best-effort), or admitted like any other (off)",
+    )
+    p.add_argument(
+        "--load-model",
+        choices=["forecast", "window"],
+        help="load control counting expected arrivals, one level for all (forecast, the "
+        "default) or DESIGN §5 as written (window)",
+    )
     p.add_argument("--max-queued", type=int, help="admission: queue bound when overloaded")
     p.add_argument(
         "--max-requests-per-instance", type=int, help="resident requests per instance (64)"
@@ -159,6 +175,10 @@ def policy_from(values: dict) -> Policy:
         policy = policy.without_migration()
     if values["one_shot"]:
         policy = policy.one_shot()
+    if values["admission"]:
+        policy = dataclasses.replace(policy, admission=values["admission"].replace("-", "_"))
+    if values["load_model"]:
+        policy = dataclasses.replace(policy, load_model=values["load_model"])
     return policy
 
 
