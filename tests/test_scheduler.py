@@ -13,6 +13,7 @@ from sched_profiles import make_profile, report
 
 from dilaserve import _core
 from dilaserve.scheduler import (
+    THRESHOLD_REASONS,
     AdmissionError,
     InvalidInstanceError,
     InvalidRequestError,
@@ -143,6 +144,19 @@ def test_policy_presets_compose() -> None:
     )
     q = Policy.dilaserve().window_load_control().without_admission()
     assert (q.load_model, q.admission) == ("window", "off")
+
+
+def test_decisions_explain_each_threshold(profile: LatencyProfile) -> None:
+    s = Scheduler(profile, SchedulerConfig())
+    s.add_instance(1, tp=1, gpus=[0])
+    s.arrive(0, arrival=0.0, deadline=1e-3, prompt_len=100, output_len=32)
+    s.arrive(1, arrival=0.0, deadline=1e6, prompt_len=100, output_len=32)
+    d = s.schedule(0.0)
+    reasons = [THRESHOLD_REASONS[c] for c in d.entry_reasons]
+    assert dict(zip(d.entry_requests.tolist(), reasons, strict=True)) == {0: "late", 1: "fits"}
+    late = d.entry_requests.tolist().index(0)
+    assert d.entry_estimates_s[late] > d.entry_slo_left_s[late]
+    assert np.all(d.entry_taus <= d.entry_cap_taus)
 
 
 def test_deadline_admission_rejects_what_cannot_finish_in_time(profile: LatencyProfile) -> None:

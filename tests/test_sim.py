@@ -73,6 +73,18 @@ def test_policies_run_on_the_live_scheduler_in_simulated_time(setup: ClusterSetu
     assert runs["dilaserve", "heavy"].accuracy < runs["infaas", "heavy"].accuracy
 
 
+def test_per_request_output_explains_the_thresholds(setup: ClusterSetup) -> None:
+    heavy = Workload.synthetic("poisson", 24.0, 60.0, LENGTHS, seed=1)
+    c = {k: np.asarray(v) for k, v in simulate(setup, "dilaserve", heavy, 24.0).columns.items()}
+    served = ~np.isnan(c["finish"])
+    assert c["capped_steps"][served].sum() > 0, "load control lowered τ under load"
+    capped = served & (c["capped_steps"] > 0)
+    assert np.all(c["min_cap_tau"][capped] < 0.9)
+    assert np.all(c["mean_tau"][capped] <= 0.9)
+    fixed = simulate(setup, "infaas", heavy, 24.0).columns
+    assert sum(fixed["capped_steps"]) == 0 and np.all(np.isnan(fixed["min_cap_tau"]))
+
+
 def test_day_workload_follows_its_shape_and_layouts_pack_nodes() -> None:
     day = Workload.synthetic("day", 10.0, 1000.0, LENGTHS, seed=2)
     counts, _ = np.histogram(day.arrival, bins=4, range=(0, 1000))

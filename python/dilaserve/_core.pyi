@@ -5,6 +5,7 @@ from os import PathLike
 
 STEP_KINDS: tuple[str, ...]
 WAIT_REASONS: tuple[str, ...]
+THRESHOLD_REASONS: tuple[str, ...]
 MIGRATION_REASONS: tuple[str, ...]
 
 class LatencyProfileError(ValueError):
@@ -95,6 +96,9 @@ class Scheduler:
         max_queued: int | None = None,
         predictor: object | None = None,
         predictor_model: str | None = None,
+        load_model: str = "forecast",
+        admission: str = "reject",
+        target_utilisation: float = 0.9,
     ) -> None: ...
     @property
     def thresholds(self) -> list[float]: ...
@@ -219,3 +223,20 @@ class MeanRatePredictor:
     def __init__(self, points: list[tuple[float, float]] | None = None) -> None: ...
     def rate(self, tau: float) -> float: ...
     def predict(self, views: RequestViews, thresholds: list[float]) -> tuple[bytes, bytes]: ...
+
+class SimInputError(ValueError): ...
+
+def check_progress_json(text: str) -> str: ...
+def simulate(
+    scheduler: Scheduler,
+    instances: list[tuple[int, int, list[int], int]],
+    arrival: list[float],
+    prompt_len: list[int],
+    output_len: list[int],
+    slo_s: list[float],
+    progress_json: str,
+    *,
+    seed: int = 0,
+    round_quantum_s: float = 0.0,
+    replan_json: str | None = None,
+) -> tuple[dict[str, list], dict[str, float]]: ...

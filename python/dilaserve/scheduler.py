@@ -67,6 +67,10 @@ Confidence = tuple[float, float, float, float, float]
 
 STEP_KINDS: tuple[str, ...] = _core.STEP_KINDS
 WAIT_REASONS: tuple[str, ...] = _core.WAIT_REASONS
+#: Why a step got its threshold: `fixed` (the policy's), `fits` (the highest allowed whose
+#: estimate meets the deadline), `capped` (load control's cap; a higher one would have met
+#: it), `late` (none meets it: the lowest allowed).
+THRESHOLD_REASONS: tuple[str, ...] = _core.THRESHOLD_REASONS
 MIGRATION_REASONS: tuple[str, ...] = _core.MIGRATION_REASONS
 # Record layouts written by the core (rust/src/bindings/decisions.rs).
 _BATCH = np.dtype(
@@ -81,6 +85,10 @@ _ENTRY = np.dtype(
         ("tokens", "<u8"),
         ("block", "<u4"),
         ("unmasked_in_block", "<u4"),
+        ("reason", "u1"),
+        ("estimate_s", "<f8"),
+        ("slo_left_s", "<f8"),
+        ("cap_tau", "<f8"),
     ]
 )
 _WAITING = np.dtype([("request", "<u8"), ("reason", "u1")])
@@ -343,6 +351,13 @@ class Decisions:
         self.entry_blocks: np.ndarray = entries["block"]
         #: Positions of that block already unmasked.
         self.entry_unmasked_in_block: np.ndarray = entries["unmasked_in_block"]
+        #: Why each entry got its τ: codes into `THRESHOLD_REASONS`, the predicted seconds
+        #: left at that τ on its instance, the seconds left to its deadline, and the
+        #: highest τ load control allowed it (NaN where not applicable).
+        self.entry_reasons: np.ndarray = entries["reason"]
+        self.entry_estimates_s: np.ndarray = entries["estimate_s"]
+        self.entry_slo_left_s: np.ndarray = entries["slo_left_s"]
+        self.entry_cap_taus: np.ndarray = entries["cap_tau"]
         self.waiting_requests: np.ndarray = waiting["request"]
         #: Wait reason codes; `WAIT_REASONS[code]` names them.
         self.waiting_reasons: np.ndarray = waiting["reason"]

@@ -6,11 +6,19 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 
 use crate::profile::StepKind;
-use crate::scheduler::{Decisions, MigrationReason, WaitReason};
+use crate::scheduler::{Decisions, MigrationReason, ThresholdReason, WaitReason};
 
 /// Code of a step kind in `entry_kinds`: its index in `StepKind::ALL`.
 fn kind_code(kind: StepKind) -> u8 {
     StepKind::ALL.iter().position(|&k| k == kind).unwrap_or(0) as u8
+}
+
+/// Code of a threshold reason in `entry_reasons`: its index in `ThresholdReason::ALL`.
+fn reason_code(reason: ThresholdReason) -> u8 {
+    ThresholdReason::ALL
+        .iter()
+        .position(|&r| r == reason)
+        .unwrap_or(0) as u8
 }
 
 /// Code of a wait reason in `waiting_reasons`: its index in `WaitReason::ALL`.
@@ -41,8 +49,8 @@ fn records<'py, T>(
 /// Batch record: instance u64, start u64, len u64, tokens u64, predicted_finish f64.
 const BATCH_WIDTH: usize = 40;
 /// Entry record: request u64, tau f64, kind u8, new_here u8, tokens u64, block u32,
-/// unmasked_in_block u32.
-const ENTRY_WIDTH: usize = 34;
+/// unmasked_in_block u32, then why: reason u8, estimate_s f64, slo_left_s f64, cap_tau f64.
+const ENTRY_WIDTH: usize = 59;
 /// Waiting record: request u64, reason u8.
 const WAITING_WIDTH: usize = 9;
 
@@ -87,6 +95,10 @@ impl PyDecisions {
                 out[18..26].copy_from_slice(&e.tokens.to_le_bytes());
                 out[26..30].copy_from_slice(&e.block.to_le_bytes());
                 out[30..34].copy_from_slice(&e.unmasked_in_block.to_le_bytes());
+                out[34] = reason_code(e.why.reason);
+                out[35..43].copy_from_slice(&e.why.estimate_s.to_le_bytes());
+                out[43..51].copy_from_slice(&e.why.slo_left_s.to_le_bytes());
+                out[51..59].copy_from_slice(&e.why.cap_tau.to_le_bytes());
             })?,
             waiting: records(py, &d.waiting, WAITING_WIDTH, |w, out| {
                 out[0..8].copy_from_slice(&w.request.to_le_bytes());
@@ -129,5 +141,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("WAIT_REASONS", PyTuple::new(py, waits)?)?;
     let migrations: Vec<&str> = MigrationReason::ALL.iter().map(|r| r.as_str()).collect();
     m.add("MIGRATION_REASONS", PyTuple::new(py, migrations)?)?;
+    let reasons: Vec<&str> = ThresholdReason::ALL.iter().map(|r| r.as_str()).collect();
+    m.add("THRESHOLD_REASONS", PyTuple::new(py, reasons)?)?;
     Ok(())
 }

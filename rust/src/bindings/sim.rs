@@ -107,6 +107,16 @@ fn simulate<'py>(
     )?;
     columns.set_item("queue_s", o.iter().map(|r| r.queue_s).collect::<Vec<_>>())?;
     columns.set_item("accuracy", o.iter().map(|r| r.accuracy).collect::<Vec<_>>())?;
+    let capped = o.iter().map(|r| r.capped_steps);
+    columns.set_item("capped_steps", capped.collect::<Vec<_>>())?;
+    columns.set_item(
+        "late_steps",
+        o.iter().map(|r| r.late_steps).collect::<Vec<_>>(),
+    )?;
+    columns.set_item(
+        "min_cap_tau",
+        o.iter().map(|r| r.min_cap_tau).collect::<Vec<_>>(),
+    )?;
 
     let s = &result.stats;
     let stats = PyDict::new(py);

@@ -20,6 +20,50 @@ pub struct BatchEntry {
     pub block: u32,
     /// Positions of that block already unmasked before this step.
     pub unmasked_in_block: u32,
+    /// Why this `tau`, below.
+    pub why: ThresholdWhy,
+}
+
+/// *(ours)* How a step's threshold was chosen: the request's predicted seconds left at it
+/// on this instance, its time left, and the highest threshold load control allowed it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ThresholdWhy {
+    pub reason: ThresholdReason,
+    /// NaN under a fixed threshold.
+    pub estimate_s: f64,
+    pub slo_left_s: f64,
+    /// NaN without load control.
+    pub cap_tau: f64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ThresholdReason {
+    /// The policy fixes the threshold.
+    Fixed,
+    /// The highest threshold the request allows whose estimate meets its deadline.
+    Fits,
+    /// Load control's cap: a higher threshold would have met the deadline alone.
+    Capped,
+    /// No allowed threshold meets the deadline: the lowest.
+    Late,
+}
+
+impl ThresholdReason {
+    pub const ALL: [ThresholdReason; 4] = [
+        ThresholdReason::Fixed,
+        ThresholdReason::Fits,
+        ThresholdReason::Capped,
+        ThresholdReason::Late,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ThresholdReason::Fixed => "fixed",
+            ThresholdReason::Fits => "fits",
+            ThresholdReason::Capped => "capped",
+            ThresholdReason::Late => "late",
+        }
+    }
 }
 
 /// The next batch of one instance: `entries[start..start + len]` of [`Decisions`].

@@ -54,7 +54,8 @@ pub use config::{
 };
 pub use cost::{DegreeCosts, Limits};
 pub use decisions::{
-    Batch, BatchEntry, Decisions, Migration, MigrationReason, WaitReason, Waiting,
+    Batch, BatchEntry, Decisions, Migration, MigrationReason, ThresholdReason, ThresholdWhy,
+    WaitReason, Waiting,
 };
 pub use error::SchedError;
 pub use events::StepResult;

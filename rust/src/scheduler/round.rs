@@ -7,7 +7,8 @@ use std::time::Instant;
 use super::config::{LoadModel, ThresholdPolicy};
 use super::cost::{steps_per_block, DegreeCosts, Limits};
 use super::decisions::{
-    Batch, BatchEntry, Decisions, Migration, MigrationReason, WaitReason, Waiting,
+    Batch, BatchEntry, Decisions, Migration, MigrationReason, ThresholdReason, ThresholdWhy,
+    WaitReason, Waiting,
 };
 use super::error::SchedError;
 use super::history::FinishedRequest;
@@ -17,7 +18,7 @@ use super::placement::{Candidate, Placement};
 use super::predictor::{RequestView, StepsLeft};
 use super::request::Request;
 use super::reservation::{self, Reservation};
-use super::threshold::{capped, choose_threshold, StepPrices};
+use super::threshold::{capped, choose_threshold, remaining_seconds, StepPrices};
 use super::Scheduler;
 use crate::profile::StepKind;
 
@@ -443,6 +444,12 @@ impl Scheduler {
             tokens: 0,
             block: 0,
             unmasked_in_block: 0,
+            why: ThresholdWhy {
+                reason: ThresholdReason::Fixed,
+                estimate_s: f64::NAN,
+                slo_left_s: f64::NAN,
+                cap_tau: f64::NAN,
+            },
         };
         decisions.entries.clear();
         decisions
@@ -452,13 +459,44 @@ impl Scheduler {
         scratch.entry_handles.resize(scratch.assigned.len(), 0);
         for a in &scratch.assigned {
             let p = a.pos as usize;
-            let tau = match config.policy.threshold {
-                ThresholdPolicy::Fixed(tau) => tau,
+            let (tau, why) = match config.policy.threshold {
+                ThresholdPolicy::Fixed(tau) => (
+                    tau,
+                    ThresholdWhy {
+                        reason: ThresholdReason::Fixed,
+                        estimate_s: f64::NAN,
+                        slo_left_s: a.slo_left,
+                        cap_tau: f64::NAN,
+                    },
+                ),
                 ThresholdPolicy::SloAware => {
-                    let mask = capped(requests.allowed()[p], usize::from(requests.caps()[p]));
+                    let allowed = requests.allowed()[p];
+                    let cap = usize::from(requests.caps()[p]);
                     let steps = requests.steps_of(a.pos);
                     let prices = scratch.prices[a.inst as usize];
-                    config.thresholds[choose_threshold(mask, steps, prices, a.slo_left)]
+                    let k = choose_threshold(capped(allowed, cap), steps, prices, a.slo_left);
+                    let estimate_s = remaining_seconds(steps[k], prices);
+                    let reason = if estimate_s > a.slo_left {
+                        ThresholdReason::Late
+                    } else if capped(allowed, cap) != allowed
+                        && choose_threshold(allowed, steps, prices, a.slo_left) > k
+                    {
+                        ThresholdReason::Capped
+                    } else {
+                        ThresholdReason::Fits
+                    };
+                    let limited = config.policy.load_control;
+                    let why = ThresholdWhy {
+                        reason,
+                        estimate_s,
+                        slo_left_s: a.slo_left,
+                        cap_tau: if limited {
+                            config.thresholds[cap]
+                        } else {
+                            f64::NAN
+                        },
+                    };
+                    (config.thresholds[k], why)
                 }
             };
             requests.set_last_tau(a.pos, tau);
@@ -473,6 +511,7 @@ impl Scheduler {
                 tokens: a.tokens,
                 block: a.block,
                 unmasked_in_block: a.unmasked_in_block,
+                why,
             };
             scratch.entry_handles[at] = a.handle;
         }

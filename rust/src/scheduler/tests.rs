@@ -330,6 +330,43 @@ fn forecast_load_control_lowers_everyone_alike_and_counts_arrivals_to_come() {
 }
 
 #[test]
+fn every_dispatched_tau_is_explained() {
+    let config = SchedulerConfig {
+        slo_window_s: Some(4.0),
+        ..Default::default()
+    };
+    let mut s = Scheduler::new(profile(), config).unwrap();
+    s.add_instance(instance(1, 1)).unwrap();
+    // Far deadlines, a burst that load control must cap, and one request already late.
+    s.arrive(RequestSpec::new(99, 0.0, 1e-3, 10, 32)).unwrap();
+    for id in 0..40 {
+        s.arrive(RequestSpec::new(id, 0.0, 1e6, 200, 256)).unwrap();
+    }
+    let d = s.schedule(0.0).unwrap().clone();
+    let why = |id| d.entries.iter().find(|e| e.request == id).unwrap().why;
+    let late = why(99);
+    assert_eq!(late.reason, ThresholdReason::Late);
+    assert!(late.estimate_s > late.slo_left_s);
+    for e in d.entries.iter().filter(|e| e.request != 99) {
+        assert!(e.tau <= e.why.cap_tau + 1e-12, "{e:?}");
+        assert!(e.why.estimate_s <= e.why.slo_left_s);
+        let expected = if e.why.cap_tau < 0.9 {
+            ThresholdReason::Capped
+        } else {
+            ThresholdReason::Fits
+        };
+        assert_eq!(e.why.reason, expected, "{e:?}");
+    }
+    assert!(d.entries.iter().any(|e| e.why.reason == ThresholdReason::Capped));
+    let mut fixed = scheduler(Policy::infaas_like(0.7));
+    fixed.add_instance(instance(1, 1)).unwrap();
+    fixed.arrive(RequestSpec::new(1, 0.0, 10.0, 10, 32)).unwrap();
+    let e = fixed.schedule(0.0).unwrap().entries[0];
+    assert_eq!((e.why.reason, e.why.slo_left_s), (ThresholdReason::Fixed, 10.0));
+    assert!(e.why.estimate_s.is_nan() && e.why.cap_tau.is_nan());
+}
+
+#[test]
 fn priority_order_serves_high_priority_first() {
     let config = SchedulerConfig {
         max_batch_tokens: 300,
@@ -458,9 +495,10 @@ fn same_inputs_give_same_decisions() {
         let b = script(policy);
         assert_eq!(a.len(), b.len());
         for (x, y) in a.iter().zip(&b) {
+            // Debug text: a decision's NaN fields (a fixed τ has no estimate) compare equal.
             assert_eq!(
-                (&x.batches, &x.entries, &x.migrations, &x.waiting),
-                (&y.batches, &y.entries, &y.migrations, &y.waiting)
+                format!("{:?}", (&x.batches, &x.entries, &x.migrations, &x.waiting)),
+                format!("{:?}", (&y.batches, &y.entries, &y.migrations, &y.waiting))
             );
         }
         assert!(a.iter().any(|d| !d.migrations.is_empty()));

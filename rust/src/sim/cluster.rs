@@ -16,6 +16,7 @@ use crate::planner::Arrival;
 use crate::profile::StepKind;
 use crate::scheduler::{
     DegreeCosts, FinishedRequest, InstanceSpec, RequestSpec, SchedError, Scheduler, StepResult,
+    ThresholdReason,
 };
 
 /// A simulated time as a heap key (times are finite: checked on input).
@@ -53,11 +54,16 @@ pub(super) struct SimInstance {
     step_s: f64,
 }
 
-/// Tokens committed per request, and their accuracy-weighted sum.
-#[derive(Clone, Copy, Debug, Default)]
+/// Tokens committed per request, their accuracy-weighted sum, and why its steps ran at
+/// their thresholds.
+#[derive(Clone, Copy, Debug)]
 struct Tally {
     tokens: f64,
     accuracy_tokens: f64,
+    /// Steps whose τ load control capped, and steps no τ could bring in on time.
+    capped: u32,
+    late: u32,
+    min_cap: f64,
 }
 
 pub(super) struct Simulation<'a> {
@@ -128,6 +134,7 @@ impl<'a> Simulation<'a> {
                 deadline: r.arrival + r.slo_s,
                 mean_tau: f64::NAN,
                 min_tau: f64::NAN,
+                min_cap_tau: f64::NAN,
                 queue_s: f64::NAN,
                 accuracy: f64::NAN,
                 ..Default::default()
@@ -149,7 +156,16 @@ impl<'a> Simulation<'a> {
             costs: HashMap::new(),
             instances: HashMap::new(),
             due: BinaryHeap::new(),
-            tally: vec![Tally::default(); requests.len()],
+            tally: vec![
+                Tally {
+                    tokens: 0.0,
+                    accuracy_tokens: 0.0,
+                    capped: 0,
+                    late: 0,
+                    min_cap: f64::NAN,
+                };
+                requests.len()
+            ],
             outcomes,
             stats: SimStats::default(),
             reconfig,
@@ -333,6 +349,10 @@ impl<'a> Simulation<'a> {
                 } else {
                     full += e.tokens;
                 }
+                let t = &mut self.tally[e.request as usize];
+                t.capped += u32::from(e.why.reason == ThresholdReason::Capped);
+                t.late += u32::from(e.why.reason == ThresholdReason::Late);
+                t.min_cap = t.min_cap.min(e.why.cap_tau);
                 inst.step.push(Part {
                     request: e.request,
                     tau: e.tau,
@@ -371,4 +391,7 @@ fn record(outcomes: &mut [RequestOutcome], tally: &[Tally], f: &FinishedRequest,
     if t.tokens > 0.0 {
         o.accuracy = t.accuracy_tokens / t.tokens;
     }
+    o.capped_steps = t.capped;
+    o.late_steps = t.late;
+    o.min_cap_tau = t.min_cap;
 }

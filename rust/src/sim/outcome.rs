@@ -24,6 +24,11 @@ pub struct RequestOutcome {
     /// Probability its answer is right: the progress model's accuracy at its threshold
     /// weighted by the tokens each step committed.
     pub accuracy: f64,
+    /// Why its steps ran at their thresholds: steps whose τ load control capped, steps no
+    /// allowed τ could finish in time, and the lowest cap load control gave it (NaN: none).
+    pub capped_steps: u32,
+    pub late_steps: u32,
+    pub min_cap_tau: f64,
 }
 
 impl RequestOutcome {
