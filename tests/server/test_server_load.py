@@ -77,6 +77,9 @@ def test_over_the_admission_limit_is_429_with_retry_after(start_server):
     live = start_server(instances=(1,), max_queued=0)
     (p,) = make_problems(1, SEED + 2, tasks=("tr",))  # 160 steps at τ 1.0
 
+    async def overloaded() -> bool:
+        return live.engine.scheduler.overloaded
+
     async def scenario():
         url = f"{live.url}/v1/completions"
         # One token per step under a 1 ms deadline: no threshold can carry that load.
@@ -84,7 +87,9 @@ def test_over_the_admission_limit_is_429_with_retry_after(start_server):
         hopeless["confidence_threshold"] = 1.0
         async with aiohttp.ClientSession() as s, s.post(url, json=hopeless) as running:
             await running.content.readline()  # it has run a step: load control has seen it
-            assert live.engine.scheduler.overloaded
+            # Read on the engine's loop: from this thread it races the scheduler's rounds.
+            on_loop = asyncio.run_coroutine_threadsafe(overloaded(), live.loop)
+            assert await asyncio.wrap_future(on_loop)
             async with s.post(url, json={"prompt": "12+34=", "max_tokens": 4}) as rejected:
                 return rejected.status, rejected.headers, await rejected.json()
 

@@ -106,6 +106,26 @@ struct Harness {
 }
 
 impl Harness {
+    fn new(policy: Policy, caching: bool, max_batch_tokens: u64) -> Self {
+        let config = SchedulerConfig {
+            caching,
+            max_batch_tokens,
+            policy,
+            ..Default::default()
+        };
+        Self {
+            s: Scheduler::new(profile(), config).unwrap(),
+            policy,
+            caching,
+            ids: Vec::new(),
+            cancelled: Vec::new(),
+            next_id: 0,
+            next_instance: 0,
+            running: Vec::new(),
+            now: 0.0,
+        }
+    }
+
     fn snapshot(&self) -> HashMap<u64, Before> {
         self.ids
             .iter()
@@ -406,23 +426,7 @@ proptest! {
         tps in prop::collection::vec((prop::sample::select(vec![1u32, 2, 4]), capacity()), 1..5),
         ops in prop::collection::vec(op(), 1..120),
     ) {
-        let config = SchedulerConfig {
-            caching,
-            max_batch_tokens: max_tokens,
-            policy,
-            ..Default::default()
-        };
-        let mut h = Harness {
-            s: Scheduler::new(profile(), config).unwrap(),
-            policy,
-            caching,
-            ids: Vec::new(),
-            cancelled: Vec::new(),
-            next_id: 0,
-            next_instance: 0,
-            running: Vec::new(),
-            now: 0.0,
-        };
+        let mut h = Harness::new(policy, caching, max_tokens);
         for (tp, cap) in tps {
             h.apply(&Op::AddInstance(tp, cap))?;
         }
@@ -437,24 +441,7 @@ proptest! {
 /// when the home was undrained and finished there: its reservation used to outlive it.
 #[test]
 fn a_finished_request_holds_no_reservation() {
-    let policy = Policy::dilaserve().without_migration();
-    let config = SchedulerConfig {
-        caching: false,
-        max_batch_tokens: 2000,
-        policy,
-        ..Default::default()
-    };
-    let mut h = Harness {
-        s: Scheduler::new(profile(), config).unwrap(),
-        policy,
-        caching: false,
-        ids: Vec::new(),
-        cancelled: Vec::new(),
-        next_id: 0,
-        next_instance: 0,
-        running: Vec::new(),
-        now: 0.0,
-    };
+    let mut h = Harness::new(Policy::dilaserve().without_migration(), false, 2000);
     let arrive = |prompt, output| Op::Arrive {
         prompt,
         output,
