@@ -22,6 +22,10 @@ CACHE_DIR = Path.home() / ".cache" / "dilaserve" / "profiles"
 # Batch-token grid of a start-up profile: enough points to interpolate, quick on a CPU.
 STARTUP_TOKENS = (32, 128, 512, 2048, 8192)
 STARTUP_REPEATS = 3
+#: One cached context for cache steps at start-up: every extra context is another sweep of
+#: the token grid (three took over nine minutes on 2 CPU cores); `dilaserve profile
+#: --cache-context` measures more for `--profile`.
+STARTUP_CACHE_CONTEXTS = (256,)
 
 
 class ProfileMeasurementError(RuntimeError):
@@ -44,6 +48,7 @@ def cache_path(config: EngineConfig, model_dir: str) -> Path:
             config.measured_degrees,
             STARTUP_TOKENS,
             STARTUP_REPEATS,
+            STARTUP_CACHE_CONTEXTS,
         ]
     )
     return CACHE_DIR / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
@@ -63,6 +68,7 @@ async def load_or_measure_profile(config: EngineConfig, model_dir: str) -> Laten
         "--model", model_dir, "--dtype", config.dtype, "--device", config.device,
         "--threads", str(config.worker_threads), "--block-length", str(config.block_length),
         "--tokens", ",".join(map(str, STARTUP_TOKENS)), "--repeats", str(STARTUP_REPEATS),
+        "--cache-context", ",".join(map(str, STARTUP_CACHE_CONTEXTS)),
         "--tp", ",".join(map(str, config.measured_degrees)),
         "--output", str(partial),
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
