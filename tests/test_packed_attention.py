@@ -36,6 +36,7 @@ def test_packed_self_attention_equals_rows_alone(kv_heads, lengths):
     ("lengths", "reads"),
     [
         ((4, 4, 4), ((0, 10), (10, 10), (20, 10))),  # evenly spaced: one strided call
+        ((4, 4, 4), ((20, 10), (10, 10), (0, 10))),  # evenly spaced, descending (it failed)
         ((4, 4), ((22, 6), (3, 10))),  # anywhere, any length
         ((4, 2), ((0, 10), (10, 10))),
     ],

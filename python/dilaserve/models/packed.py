@@ -135,6 +135,8 @@ def _even_extents(
     spacing = bases[1] - bases[0] if len(bases) > 1 else 0
     if any(b1 - b0 != spacing for b0, b1 in zip(bases, bases[1:], strict=False)):
         return None
+    if len(bases) > 1 and spacing <= 0:
+        return None  # a view cannot step backwards (torch refuses negative strides)
     return len(bases), bases[0], spacing, reads[0][1]
 
 
