@@ -357,12 +357,20 @@ fn every_dispatched_tau_is_explained() {
         };
         assert_eq!(e.why.reason, expected, "{e:?}");
     }
-    assert!(d.entries.iter().any(|e| e.why.reason == ThresholdReason::Capped));
+    assert!(d
+        .entries
+        .iter()
+        .any(|e| e.why.reason == ThresholdReason::Capped));
     let mut fixed = scheduler(Policy::infaas_like(0.7));
     fixed.add_instance(instance(1, 1)).unwrap();
-    fixed.arrive(RequestSpec::new(1, 0.0, 10.0, 10, 32)).unwrap();
+    fixed
+        .arrive(RequestSpec::new(1, 0.0, 10.0, 10, 32))
+        .unwrap();
     let e = fixed.schedule(0.0).unwrap().entries[0];
-    assert_eq!((e.why.reason, e.why.slo_left_s), (ThresholdReason::Fixed, 10.0));
+    assert_eq!(
+        (e.why.reason, e.why.slo_left_s),
+        (ThresholdReason::Fixed, 10.0)
+    );
     assert!(e.why.estimate_s.is_nan() && e.why.cap_tau.is_nan());
 }
 
