@@ -13,7 +13,7 @@ import json
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -163,7 +163,6 @@ class ClusterSetup:
     planner_degrees: tuple[int, ...] = (1, 2, 4)
     round_quantum_s: float = 0.0
     seed: int = 0
-    scheduler_overrides: dict = field(default_factory=dict)
 
     def rates(self) -> list[tuple[float, float]]:
         return mean_rates(self.progress)
@@ -189,17 +188,19 @@ class ClusterSetup:
         return out
 
     def scheduler(self, policy: Policy) -> Scheduler:
-        config = SchedulerConfig(
-            thresholds=self.thresholds,
-            block_length=self.block_length,
-            caching=self.caching,
-            max_batch_tokens=self.max_batch_tokens,
-            max_queued=self.max_queued,
-            policy=policy,
-            predictor_rates=None if self.predictor_model else tuple(self.rates()),
-            predictor_model=self.predictor_model,
+        return Scheduler(
+            self.profile,
+            SchedulerConfig(
+                thresholds=self.thresholds,
+                block_length=self.block_length,
+                caching=self.caching,
+                max_batch_tokens=self.max_batch_tokens,
+                max_queued=self.max_queued,
+                policy=policy,
+                predictor_rates=None if self.predictor_model else tuple(self.rates()),
+                predictor_model=self.predictor_model,
+            ),
         )
-        return Scheduler(self.profile, dataclasses.replace(config, **self.scheduler_overrides))
 
     def replan_json(self, slo_s: float) -> str:
         options = {
