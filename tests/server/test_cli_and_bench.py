@@ -14,8 +14,10 @@ from dilaserve.bench.workload import poisson_times, read_trace, task_arrivals, t
 from dilaserve.cli import build_parser
 from dilaserve.cli.serve import (
     DEFAULTS,
+    accuracy_drop,
     engine_config,
     parse_instances,
+    parse_thresholds,
     policy_from,
     settings_from,
 )
@@ -29,6 +31,21 @@ def test_instances_spec():
     for bad in ("2", "0x1", "ax1", "1x-2"):
         with pytest.raises(ValueError):
             parse_instances(bad)
+
+
+def test_thresholds_and_quality_floor_flags():
+    values = settings_from(
+        build_parser().parse_args(["serve", "--thresholds", "0.9,0.7", "--max-accuracy-drop", "5"])
+    )
+    engine = engine_config(values)
+    assert engine.thresholds == (0.7, 0.9) and engine.max_accuracy_drop == pytest.approx(0.05)
+    assert engine_config(dict(DEFAULTS)).max_accuracy_drop == pytest.approx(0.03)
+    assert accuracy_drop("none") is None and parse_thresholds([0.8, 0.6]) == (0.6, 0.8)
+    for bad in ("0,0.9", "1.5", "a,b", ""):
+        with pytest.raises(ValueError, match="--thresholds"):
+            parse_thresholds(bad)
+    with pytest.raises(ValueError, match="negative"):
+        accuracy_drop("-1")
 
 
 def test_toml_config_then_flags(tmp_path):

@@ -15,6 +15,7 @@ import torch
 
 from dilaserve.cli.common import default_dtype
 from dilaserve.engine import Engine, EngineConfig, Launcher, LocalLauncher
+from dilaserve.engine.config import DEFAULT_THRESHOLDS
 from dilaserve.protocol import CacheMode
 from dilaserve.scheduler import Policy
 from dilaserve.server import ServerSettings, bind, serve
@@ -36,6 +37,8 @@ DEFAULTS = {
     "one_shot": False,
     "admission": None,
     "load_model": None,
+    "thresholds": None,
+    "max_accuracy_drop": 3.0,
     "max_queued": None,
     "max_requests_per_instance": 64,
     "kv_cache_memory": None,
@@ -90,6 +93,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         choices=["forecast", "window"],
         help="load control counting expected arrivals, one level for all (forecast, the "
         "default) or DESIGN §5 as written (window)",
+    )
+    p.add_argument(
+        "--thresholds",
+        help="candidate thresholds the scheduler chooses from, comma-separated "
+        "(default: 0.5,0.6,0.7,0.8,0.9)",
+    )
+    p.add_argument(
+        "--max-accuracy-drop",
+        help="quality floor in accuracy points: never choose a threshold whose accuracy, "
+        "measured on the model (its progress.json), is more than this below the top "
+        "threshold's (3; 'none' allows every threshold)",
     )
     p.add_argument("--max-queued", type=int, help="admission: queue bound when overloaded")
     p.add_argument(
@@ -155,6 +169,30 @@ def parse_instances(spec: str) -> tuple[int, ...]:
     return tuple(degrees)
 
 
+def parse_thresholds(value: str | list | None) -> tuple[float, ...]:
+    """`thresholds` from the command line ('0.7,0.8,0.9') or a config file (a list)."""
+    if value is None:
+        return DEFAULT_THRESHOLDS
+    parts = value.split(",") if isinstance(value, str) else value
+    try:
+        taus = tuple(sorted(float(t) for t in parts))
+    except ValueError:
+        raise ValueError(f"--thresholds: {value!r} is not a comma-separated list") from None
+    if not taus or any(not 0.0 < t <= 1.0 for t in taus):
+        raise ValueError(f"--thresholds must lie in (0, 1], got {value!r}")
+    return taus
+
+
+def accuracy_drop(value: str | float | None) -> float | None:
+    """`max_accuracy_drop` in points ('3', 3.0 or 'none') as a fraction, or None."""
+    if value is None or str(value).lower() == "none":
+        return None
+    points = float(value)
+    if points < 0:
+        raise ValueError(f"--max-accuracy-drop must not be negative, got {value!r}")
+    return points / 100
+
+
 def kv_memory(value: str | int | float | None) -> int | float | None:
     """`kv_cache_memory` from the command line (a string) or a config file (a number)."""
     if value is None or isinstance(value, int | float):
@@ -201,6 +239,8 @@ def engine_config(values: dict) -> EngineConfig:
         device=device,
         slo_scale=values["slo_scale"],
         policy=policy_from(values),
+        thresholds=parse_thresholds(values["thresholds"]),
+        max_accuracy_drop=accuracy_drop(values["max_accuracy_drop"]),
         max_queued=values["max_queued"],
         max_requests_per_instance=values["max_requests_per_instance"],
         kv_cache_memory=kv_memory(values["kv_cache_memory"]),

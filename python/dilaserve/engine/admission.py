@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from dilaserve._core import LatencyProfile
 from dilaserve.models import encode_prompt, load_tokenizer, read_config
 from dilaserve.models.tokenizer import UnrepresentableTextError
@@ -14,7 +16,7 @@ from dilaserve.planner import (
     ThresholdOption,
     mean_isolated_latency,
 )
-from dilaserve.protocol import CacheMode, RequestState
+from dilaserve.protocol import CacheMode, RequestState, TokenStateError
 
 from .config import EngineConfig, GenerationParams
 from .errors import BadRequestError
@@ -34,16 +36,23 @@ class RequestBuilder:
         params.validate()
         ids = self.prompt_ids(prompt)
         c, mc = self.config, self.model_config
-        state = RequestState.new(
-            request_id,
-            ids,
-            params.max_tokens or c.default_max_tokens,
-            block_length=params.block_length or c.block_length,
-            mask_token_id=mc.mask_token_id,
-            stop_token_ids=mc.stop_token_ids if c.stop_at_eos else (),
-            temperature=params.temperature,
-            steps_per_block=params.steps_per_block,
-        )
+        try:
+            state = RequestState.new(
+                request_id,
+                ids,
+                params.max_tokens or c.default_max_tokens,
+                block_length=params.block_length or c.block_length,
+                mask_token_id=mc.mask_token_id,
+                stop_token_ids=mc.stop_token_ids if c.stop_at_eos else (),
+                temperature=params.temperature,
+                steps_per_block=params.steps_per_block,
+                alg=params.alg,
+                alg_temp=params.alg_temp,
+                top_p=params.top_p,
+                top_k=params.top_k,
+            )
+        except TokenStateError as exc:
+            raise BadRequestError(str(exc)) from exc
         if state.seq_length > mc.max_position_embeddings:
             raise BadRequestError(
                 f"{len(ids)} prompt tokens plus {state.output_length} output positions exceed "
@@ -78,10 +87,14 @@ class RequestBuilder:
 
 
 def threshold_options(config: EngineConfig) -> list[ThresholdOption]:
-    """Candidate thresholds with the served model's tokens per step, ascending."""
-    if config.predictor_rates is None:
-        return list(FAST_DLLM_THRESHOLDS)
-    return [ThresholdOption(t, r) for t, r in sorted(config.predictor_rates)]
+    """The scheduler's candidate thresholds with the served model's tokens per step,
+    ascending; a threshold the rate table does not list is interpolated in it (a table
+    may also list more thresholds than are served)."""
+    table = sorted(
+        config.predictor_rates or [(t.threshold, t.tokens_per_step) for t in FAST_DLLM_THRESHOLDS]
+    )
+    taus, rates = zip(*table, strict=True)
+    return [ThresholdOption(t, float(np.interp(t, taus, rates))) for t in sorted(config.thresholds)]
 
 
 def isolated_latency(

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dilaserve.decoding import ConfidenceRule, option_problem
 from dilaserve.protocol import CacheMode
 from dilaserve.scheduler import Policy
 
@@ -44,6 +45,10 @@ class EngineConfig:
     #: Most tokens one step of an instance processes (the planner's batch size).
     max_batch_tokens: int = 8192
     thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS
+    #: Quality floor: the scheduler never chooses a threshold whose accuracy, measured on
+    #: the model (its `progress.json`), is more than this fraction below the top
+    #: threshold's; None (or a model without measurements) allows every threshold.
+    max_accuracy_drop: float | None = 0.03
     policy: Policy = field(default_factory=Policy)
     #: `(threshold, mean tokens per step)` of the scheduler's default predictor.
     predictor_rates: tuple[tuple[float, float], ...] | None = None
@@ -115,6 +120,14 @@ class GenerationParams:
     temperature: float = 0.0
     #: The fixed schedule (this many steps per block, τ ignored); None: threshold rule.
     steps_per_block: int | None = None
+    #: Dream's rule ordering positions (`maskgit_plus`, `topk_margin`, `entropy`,
+    #: `origin`); None: the argmax's (or sample's) noiseless probability.
+    alg: ConfidenceRule | str | None = None
+    #: Above 0, positions are drawn from softmax(score / alg_temp) (confidence rules).
+    alg_temp: float = 0.0
+    #: Nucleus and top-k filtering of the sampled distribution (1 / None: off).
+    top_p: float = 1.0
+    top_k: int | None = None
 
     def validate(self) -> None:
         if self.max_tokens is not None and self.max_tokens <= 0:
@@ -129,3 +142,8 @@ class GenerationParams:
             raise BadRequestError(f"temperature must be in [0, 2], got {self.temperature}")
         if self.steps_per_block is not None and self.steps_per_block <= 0:
             raise BadRequestError(f"steps_per_block must be positive, got {self.steps_per_block}")
+        problem = option_problem(
+            alg=self.alg, alg_temp=self.alg_temp, top_p=self.top_p, top_k=self.top_k
+        )
+        if problem is not None:
+            raise BadRequestError(problem[1])

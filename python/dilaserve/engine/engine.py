@@ -54,6 +54,7 @@ from .errors import (
 from .instances import InflightStep, InstanceRecord, StepTimes
 from .launcher import Launcher, LocalLauncher, WorkerHandle, WorkerSpec
 from .profiles import load_or_measure_profile
+from .quality import quality_floor
 from .reconfigure import Reconfigurer
 from .requests import RequestOutput, RequestStats, TrackedRequest
 from .transport import SendError, WorkerChannel
@@ -109,7 +110,13 @@ class Engine:
         """Loads the tokenizer and latency profile, starts every instance, waits until all
         are ready."""
         served = predictor_for(self.model_dir, self.config.predictor_rates)
-        c = self.config = dataclasses.replace(self.config, predictor_rates=served.rates)
+        c = self.config = dataclasses.replace(
+            self.config,
+            predictor_rates=served.rates,
+            thresholds=quality_floor(
+                self.config.thresholds, self.model_dir, self.config.max_accuracy_drop
+            ),
+        )
         self.degrees = ModelDegrees.of(self.model_dir)
         self.degrees.check(c.instances)
         self.profile = await load_or_measure_profile(c, self.model_dir)
