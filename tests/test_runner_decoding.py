@@ -11,7 +11,7 @@ import torch
 from dilaserve.models import load_model, read_config
 from dilaserve.protocol import RequestState, StepEntry
 from dilaserve.worker.runner import StepRunner
-from dilaserve.worker.sampling import gumbel_scores, top_k_commit
+from dilaserve.worker.sampling import sample_tokens, token_probability, top_k_commit
 
 BLOCK = 8
 
@@ -78,16 +78,18 @@ def test_temperature_zero_is_the_argmax_and_sampling_repeats_per_seed(model):
     assert hot[0].output_ids != greedy.output_ids
 
 
-def test_gumbel_scores_sample_from_the_softmax_with_noiseless_confidence():
+def test_gumbel_samples_follow_the_softmax_with_noiseless_confidence():
     logits = torch.tensor([[[2.0, 1.0, 0.0, -torch.inf]]]).expand(1, 4000, 4)
-    g = torch.Generator().manual_seed(0)
-    x0, confidence = gumbel_scores(logits, torch.tensor([1.0]), g)
+    noise = torch.rand(
+        logits.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0)
+    )
+    x0 = sample_tokens(logits, torch.tensor([1.0]), None, noise)
     freq = torch.bincount(x0.flatten(), minlength=4).float() / x0.numel()
     torch.testing.assert_close(freq, torch.softmax(logits[0, 0], -1), atol=0.03, rtol=0)
     torch.testing.assert_close(
-        confidence, torch.softmax(logits, -1).gather(-1, x0[..., None])[..., 0]
+        token_probability(logits, x0), torch.softmax(logits, -1).gather(-1, x0[..., None])[..., 0]
     )
-    x0, _ = gumbel_scores(logits, torch.tensor([0.0]), g)
+    x0 = sample_tokens(logits, torch.tensor([0.0]), None, noise)
     assert bool((x0 == 0).all())
 
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field, replace
 
 import msgspec
 
+from dilaserve.decoding import ConfidenceRule, dream_step, option_problem
+
 
 class StepKind(enum.StrEnum):
     """What one denoising step computes; matches `StepKind` of the Rust core."""
@@ -69,12 +71,26 @@ class RequestState:
     #: with Gumbel noise (LLaDA's and Fast-dLLM's sampler) and its confidence is still the
     #: noiseless softmax probability.
     temperature: float = 0.0
-    #: The original fixed schedule: each block takes exactly this many steps, committing
-    #: its most confident positions in equal shares (τ is ignored). None: threshold rule.
+    #: The original fixed schedule: each block takes this many steps (τ is ignored),
+    #: committing its best positions in equal shares (LLaDA) or by Dream's timestep grid
+    #: under a Dream `alg`. None: threshold rule.
     steps_per_block: int | None = None
+    #: Dream's rule ordering positions (and what τ is compared with); None: LLaDA's and
+    #: Fast-dLLM's — the argmax (or Gumbel sample) and its noiseless probability.
+    alg: ConfidenceRule | None = None
+    #: Above 0, positions are drawn in proportion to softmax(score / alg_temp) rather
+    #: than taken best first (Dream's `alg_temp`; confidence rules only).
+    alg_temp: float = 0.0
+    #: Tokens are drawn from the smallest set of most probable ones reaching this mass
+    #: (1: all), and from the `top_k` most probable (None: all).
+    top_p: float = 1.0
+    top_k: int | None = None
     steps_done: int = 0
     # Steps already run in the current block; 0 means the next step opens a block.
     block_steps: int = 0
+    # Grid steps of Dream's schedule passed in the current block: ahead of block_steps
+    # where steps that would commit nothing were skipped.
+    timestep: int = 0
 
     @classmethod
     def new(
@@ -88,12 +104,19 @@ class RequestState:
         stop_token_ids: Sequence[int] = (),
         temperature: float = 0.0,
         steps_per_block: int | None = None,
+        alg: ConfidenceRule | str | None = None,
+        alg_temp: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int | None = None,
     ) -> RequestState:
         """A fresh request: `gen_length` output positions rounded up to whole blocks."""
         if block_length <= 0:
             raise TokenStateError(f"block_length must be positive, got {block_length}")
         if gen_length <= 0:
             raise TokenStateError(f"gen_length must be positive, got {gen_length}")
+        problem = option_problem(alg=alg, alg_temp=alg_temp, top_p=top_p, top_k=top_k)
+        if problem is not None:
+            raise TokenStateError(f"request {request_id}: {problem[1]}")
         state = cls(
             request_id=request_id,
             prompt_ids=list(prompt_ids),
@@ -103,6 +126,10 @@ class RequestState:
             stop_token_ids=list(stop_token_ids),
             temperature=temperature,
             steps_per_block=steps_per_block,
+            alg=None if alg is None else ConfidenceRule(alg),
+            alg_temp=alg_temp,
+            top_p=top_p,
+            top_k=top_k,
         )
         state.validate()
         return state
@@ -130,6 +157,27 @@ class RequestState:
             )
         if self.mask_token_id in self.stop_token_ids:
             raise TokenStateError(f"request {rid}: the mask token cannot be a stop token")
+        problem = option_problem(
+            alg=self.alg, alg_temp=self.alg_temp, top_p=self.top_p, top_k=self.top_k
+        )
+        if problem is not None:
+            raise TokenStateError(f"request {rid}: {problem[1]}")
+        if (
+            self.alg is not None
+            and self.steps_per_block is not None
+            and self.steps_per_block > self.block_length
+        ):
+            raise TokenStateError(
+                f"request {rid}: steps_per_block {self.steps_per_block} exceeds the block "
+                f"length {self.block_length} (Dream's schedule)"
+            )
+
+    @property
+    def needs_full_logits(self) -> bool:
+        """The commit samples or scores with the whole vocabulary's distribution, which a
+        tensor-parallel instance never gathers (top-p / top-k alone change nothing: the
+        argmax survives them, and LLaDA's confidence ignores them)."""
+        return self.temperature > 0 or self.alg is not None
 
     def copy(self) -> RequestState:
         return replace(
@@ -186,14 +234,30 @@ class RequestState:
         stops = set(self.stop_token_ids)
         return next((i for i, t in enumerate(self.output_ids) if t in stops), None)
 
+    @property
+    def masked_in_block(self) -> int:
+        """Masked positions of the current block."""
+        start = self.current_block * self.block_length
+        return self.output_ids[start : start + self.block_length].count(self.mask_token_id)
+
     def transfer_count(self) -> int:
-        """Positions the next step commits under the fixed schedule: the block's length in
-        `steps_per_block` equal shares, the remainder one each to the first steps (LLaDA's
-        `get_num_transfer_tokens`)."""
+        """Positions the next step commits under the fixed schedule. LLaDA's rule: the
+        block's length in `steps_per_block` equal shares, the remainder one each to the
+        first steps (`get_num_transfer_tokens`). Under a Dream `alg`: its grid's count
+        (`dream_step`)."""
         if self.steps_per_block is None:
             raise TokenStateError(f"request {self.request_id} follows the threshold rule")
+        if self.alg is not None:
+            return self.dream_step()[1]
         share, extra = divmod(self.block_length, self.steps_per_block)
         return share + (self.block_steps < extra)
+
+    def dream_step(self) -> tuple[int, int]:
+        """(grid index, count) of the next step on Dream's grid that commits something,
+        for a confidence rule (the random rule draws its count on the device)."""
+        if self.steps_per_block is None or self.alg in (None, ConfidenceRule.RANDOM):
+            raise TokenStateError(f"request {self.request_id} has no count on Dream's schedule")
+        return dream_step(self.steps_per_block, self.timestep, self.masked_in_block)
 
     @property
     def done(self) -> bool:
@@ -216,19 +280,25 @@ class RequestState:
         stop = self.stop_position
         return self.output_ids[:stop] if stop is not None else list(self.output_ids)
 
-    def commit(self, block: int, positions: list[int], tokens: list[int]) -> None:
+    def commit(
+        self, block: int, positions: list[int], tokens: list[int], timesteps: int = 1
+    ) -> None:
         """Advances the state by one step that unmasked `positions` of output block
-        `block`: the one bookkeeping of the worker's copy and the engine's."""
+        `block` and passed `timesteps` steps of Dream's grid: the one bookkeeping of the
+        worker's copy and the engine's."""
         for position, token in zip(positions, tokens, strict=True):
             self.output_ids[position] = token
         self.steps_done += 1
         start = block * self.block_length
         block_open = self.mask_token_id in self.output_ids[start : start + self.block_length]
         self.block_steps = self.block_steps + 1 if block_open else 0
+        self.timestep = self.timestep + timesteps if block_open else 0
 
     def apply(self, output: StepOutput) -> None:
         """Advances this copy of the state by a step's report (the engine's bookkeeping)."""
-        self.commit(output.block, output.committed_positions, output.committed_tokens)
+        self.commit(
+            output.block, output.committed_positions, output.committed_tokens, output.timesteps
+        )
 
 
 @dataclass(frozen=True)
@@ -268,6 +338,9 @@ class StepOutput:
     confidence_stats: tuple[float, float, float, float, float]
     num_masked: int
     done: bool
+    #: Steps of Dream's grid the step passed (more than one where steps that would commit
+    #: nothing were skipped); 1 outside Dream's schedule.
+    timesteps: int = 1
 
 
 @dataclass(frozen=True)

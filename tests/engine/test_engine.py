@@ -190,6 +190,9 @@ def test_cancel_frees_capacity(make_engine):
         ("12+34=", {"max_tokens": 0}, "max_tokens"),
         ("12+34=", {"slo_s": -1.0}, "slo_s"),
         ("€", {}, "represent"),
+        ("12+34=", {"alg": "greedy"}, "alg"),
+        ("12+34=", {"alg_temp": 0.5}, "alg_temp"),
+        ("12+34=", {"alg": "entropy", "steps_per_block": 64}, "exceeds the block length"),
     ],
 )
 def test_bad_requests_get_typed_errors(shared_engine, prompt, kw, message):

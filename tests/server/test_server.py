@@ -96,6 +96,11 @@ def _error(exc: openai.APIStatusError) -> dict:
         ({"extra_body": {"max_tokens": "ten"}}, "max_tokens"),
         ({"extra_body": {"priority": "high"}}, "priority"),
         ({"prompt": ""}, None),
+        ({"top_p": 1.5}, "top_p"),
+        ({"extra_body": {"alg": "greedy"}}, "alg"),
+        ({"extra_body": {"top_k": 0}}, "top_k"),
+        ({"extra_body": {"alg": "origin", "alg_temp": 0.5}}, "alg_temp"),
+        ({"extra_body": {"alg": "entropy", "steps_per_block": 64}}, None),
     ],
 )
 def test_bad_requests_are_400_with_an_openai_error_body(server, kwargs, param):
@@ -106,6 +111,18 @@ def test_bad_requests_are_400_with_an_openai_error_body(server, kwargs, param):
     assert error["type"] == "invalid_request_error"
     if param:
         assert error["param"] == param
+
+
+def test_dreams_generation_options_through_the_openai_client(server):
+    resp = server.client().completions.create(
+        model="dilaserve-tiny",
+        prompt="12345+67890=",
+        max_tokens=8,
+        top_p=0.9,
+        extra_body={"alg": "entropy", "steps_per_block": 8, "top_k": 5},
+    )
+    assert resp.choices[0].text == "80235"
+    assert resp.model_extra["dilaserve"]["steps"] <= 8
 
 
 async def _post(url: str, data: bytes, headers: dict | None = None):

@@ -133,6 +133,10 @@ class Server:
             priority=body.priority,
             temperature=body.temperature or 0.0,
             steps_per_block=body.steps_per_block,
+            alg=body.alg,
+            alg_temp=body.alg_temp or 0.0,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k,
         )
         rid = request.headers.get("X-Request-Id") or str(next(self._ids))
         shape = ResponseShape(chat, rid, self.settings.model_name)

@@ -1,11 +1,14 @@
 """OpenAI request shapes, decoded and type-checked by `msgspec`, plus DiLaServe's own
-fields: `slo_ms`, `confidence_threshold`, `block_length`, `steps_per_block`, `priority`."""
+fields: `slo_ms`, `confidence_threshold`, `block_length`, `steps_per_block`, `priority`,
+and Dream's `alg`, `alg_temp` and `top_k`."""
 
 from __future__ import annotations
 
 import re
 
 import msgspec
+
+from dilaserve.decoding import option_problem
 
 from .errors import APIError, bad_request
 
@@ -31,6 +34,9 @@ class _Common(msgspec.Struct, kw_only=True):
     block_length: int | None = None
     steps_per_block: int | None = None
     priority: int = 0
+    top_k: int | None = None
+    alg: str | None = None
+    alg_temp: float | None = None
 
     def stops(self) -> list[str]:
         if self.stop is None:
@@ -60,6 +66,14 @@ class _Common(msgspec.Struct, kw_only=True):
             raise bad_request(
                 f"temperature must be in [0, 2], got {self.temperature}", "temperature"
             )
+        problem = option_problem(
+            alg=self.alg,
+            alg_temp=self.alg_temp or 0.0,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k,
+        )
+        if problem is not None:
+            raise bad_request(problem[1], problem[0])
         self.stops()
 
 

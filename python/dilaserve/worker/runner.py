@@ -50,6 +50,7 @@ from dilaserve.protocol import (
     StepReport,
     TokenStateError,
 )
+from dilaserve.worker.batch_decoding import RowSampling, RowSchedule
 from dilaserve.worker.errors import (
     GroupLostError,
     MigrationError,
@@ -59,7 +60,6 @@ from dilaserve.worker.errors import (
 from dilaserve.worker.follower import make_pool, vocab_parallel_scores
 from dilaserve.worker.forward import forward_logits
 from dilaserve.worker.kv_cache import budget_tokens, bytes_per_token
-from dilaserve.worker.sampling import gumbel_scores, top_k_commit
 from dilaserve.worker.tp_group import TensorParallelGroup
 
 
@@ -129,7 +129,7 @@ class StepRunner:
             self.pool.on_move = self.group.send_moves
         self._held: dict[int, _Held] = {}
         self.forward_tokens = 0
-        # Gumbel noise of temperature sampling; seeded, so a runner's samples repeat.
+        # Noise of sampling and of Dream's random rules; seeded, so a runner's samples repeat.
         self._noise = torch.Generator(self.device).manual_seed(0)
 
     def warm_up(self) -> None:
@@ -271,9 +271,10 @@ class StepRunner:
             raise StepRejectedError(
                 f"request {rid}: a {entry.kind} step cannot run with cache mode {self.cache_mode}"
             )
-        if h.state.temperature > 0 and self.group is not None:
+        if h.state.needs_full_logits and self.group is not None:
             raise StepRejectedError(
-                f"request {rid}: temperature sampling runs on single-rank instances only"
+                f"request {rid}: temperature, top-p/top-k and Dream's alg run on single-rank "
+                "instances only"
             )
         if entry.kind is StepKind.CACHE and not h.cache_valid:
             raise StepRejectedError(
@@ -386,14 +387,21 @@ class StepRunner:
         ids = torch.full(
             (len(rows), width), self.config.mask_token_id, dtype=torch.long, device=self.device
         )
-        result = self._scores_and_commit(rows, logits, candidate, tau, ids)
-        # The step's one device read: committed flags, new ids and statistics together.
+        result, timesteps = self._scores_and_commit(rows, logits, candidate, tau, ids)
+        # The step's one device read: committed flags, new ids, statistics and grid steps.
         host = torch.cat(
-            [result.committed.double(), ids.double(), result.stats.double()], dim=1
+            [
+                result.committed.double(),
+                ids.double(),
+                result.stats.double(),
+                timesteps[:, None].double(),
+            ],
+            dim=1,
         ).cpu()
         committed = host[:, :width].bool().tolist()
         new_ids = host[:, width : 2 * width].long().tolist()
-        stats = host[:, 2 * width :].tolist()
+        stats = host[:, 2 * width : -1].tolist()
+        passed = host[:, -1].long().tolist()
         return [
             self._advance(
                 e,
@@ -404,6 +412,7 @@ class StepRunner:
                     if hit
                 ],
                 stats[i],
+                passed[i],
             )
             for i, (e, h) in enumerate(zip(batch, rows, strict=True))
         ]
@@ -415,38 +424,35 @@ class StepRunner:
         candidate: torch.Tensor,
         tau: torch.Tensor,
         ids: torch.Tensor,
-    ) -> CommitResult:
-        """Each row's tokens and confidences (argmax, or sampled with its temperature), then
-        its commit: the threshold rule, or its share of the fixed schedule."""
-        temperatures = [h.state.temperature for h in rows]
-        if any(temperatures):
-            x0, confidence = gumbel_scores(
-                logits, torch.tensor(temperatures).to(self.device), self._noise
-            )
+    ) -> tuple[CommitResult, torch.Tensor]:
+        """Each row's tokens and confidences (the argmax, or sampled and scored by its
+        options), its commit — the threshold rule, or its share of the fixed schedule — and
+        the steps of Dream's grid it passed."""
+        states = [h.state for h in rows]
+        sampling = RowSampling.of(states, self.device)
+        if sampling is not None:
+            x0, confidence, rank = sampling.scores(logits, self._noise)
             result = threshold_commit(x0, confidence, candidate, tau, ids)
-        elif self.group is None:
-            result = confidence_commit(logits, candidate, tau, ids)
         else:
-            x0, confidence = vocab_parallel_scores(self.model, self.group, logits)  # type: ignore[arg-type]
-            result = threshold_commit(x0, confidence, candidate, tau, ids)
-        fixed = [h.state.steps_per_block is not None for h in rows]
-        if not any(fixed):
-            return result
-        counts = torch.tensor(
-            [h.state.transfer_count() if f else 0 for h, f in zip(rows, fixed, strict=True)]
-        )
-        scheduled = top_k_commit(result.confidence, candidate, counts.to(self.device))
-        committed = torch.where(
-            torch.tensor(fixed).to(self.device)[:, None], scheduled, result.committed
-        )
-        ids.copy_(torch.where(committed, result.x0, self.config.mask_token_id))
-        return result._replace(committed=committed, counts=committed.sum(dim=1))
+            if self.group is None:
+                result = confidence_commit(logits, candidate, tau, ids)
+            else:
+                x0, confidence = vocab_parallel_scores(self.model, self.group, logits)  # type: ignore[arg-type]
+                result = threshold_commit(x0, confidence, candidate, tau, ids)
+            rank = result.confidence
+        schedule = RowSchedule(states, self.device)
+        return schedule.commit(result, rank, candidate, tau, ids, self.config.mask_token_id)
 
     def _advance(
-        self, entry: StepEntry, h: _Held, picked: list[tuple[int, int]], stats: list[float]
+        self,
+        entry: StepEntry,
+        h: _Held,
+        picked: list[tuple[int, int]],
+        stats: list[float],
+        timesteps: int,
     ) -> StepOutput:
-        """Applies one row's commit — (block position, token) pairs — to its host-side state
-        (no device work)."""
+        """Applies one row's commit — (block position, token) pairs, and the steps of
+        Dream's grid it passed — to its host-side state (no device work)."""
         state = h.state
         size, start = state.block_length, h.block_start
         out_start = start - state.prompt_length
@@ -454,7 +460,7 @@ class StepRunner:
             h.tokens[start + j] = token
         positions = [out_start + j for j, _ in picked]
         tokens = [t for _, t in picked]
-        state.commit(out_start // size, positions, tokens)
+        state.commit(out_start // size, positions, tokens, timesteps)
         # Every step writes the fed tokens' K/V; only a recompute step refreshes the rest
         # of the sequence, which a cache step of the same block reads.
         h.cache_valid = (
@@ -474,4 +480,5 @@ class StepRunner:
             confidence_stats=tuple(stats),  # type: ignore[arg-type]
             num_masked=state.num_masked,
             done=done,
+            timesteps=timesteps,
         )
