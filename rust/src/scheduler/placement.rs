@@ -1,5 +1,8 @@
 //! Instance choice (DESIGN §6, Alg. 3): per-round batch-token accounting and, per TP
-//! degree, a [`ChoiceTree`] over the instances that take new requests.
+//! degree, [`ChoiceTree`]s over the instances that take new requests: one over the idle
+//! instances and one over the busy ones. Keys of the two kinds differ in start time (now,
+//! or the end of the step in flight), so a tree mixing them bounds its subtrees by the
+//! start of an idle instance and the tokens of a busy one and prunes little.
 //!
 //! *(ours)* Busy instances are candidates too: a request's key on an instance is when its
 //! step there would complete — `max(now, predicted end of the step in flight)` plus the
@@ -21,6 +24,11 @@ use super::instance::Instance;
 /// Not in any tree (the instance is gone).
 const NO_LEAF: u32 = u32::MAX;
 
+/// Index of the tree holding `inst`; an instance's busy state is fixed during a round.
+fn tree_of(inst: &Instance) -> usize {
+    2 * inst.group + usize::from(inst.busy)
+}
+
 /// The instance a free request would go to, with its comparison key.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct Candidate {
@@ -30,8 +38,9 @@ pub(crate) struct Candidate {
 
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Placement {
+    /// Per degree group `g`: idle instances in tree `2g`, busy ones in `2g + 1`.
     trees: Vec<ChoiceTree>,
-    /// Per instance slot: its leaf in its degree's tree.
+    /// Per instance slot: its leaf in its tree.
     leaf_of: Vec<u32>,
     /// Batch tokens assigned this round per instance slot: dispatched on an idle instance,
     /// or waiting for a busy one's next step.
@@ -91,7 +100,7 @@ impl Placement {
             .zip(&self.open)
             .filter(|(inst, &open)| open && !inst.draining)
             .count();
-        self.trees.resize_with(groups, ChoiceTree::default);
+        self.trees.resize_with(2 * groups, ChoiceTree::default);
         for tree in &mut self.trees {
             tree.clear();
         }
@@ -122,7 +131,7 @@ impl Placement {
     pub fn build(&mut self, instances: &[Instance]) {
         for (slot, inst) in instances.iter().enumerate() {
             if inst.alive {
-                self.leaf_of[slot] = self.trees[inst.group].push(slot as u32);
+                self.leaf_of[slot] = self.trees[tree_of(inst)].push(slot as u32);
             }
         }
         let mut trees = std::mem::take(&mut self.trees);
@@ -196,7 +205,7 @@ impl Placement {
         let index = self.leaf_of[slot as usize];
         if index != NO_LEAF {
             let leaf = self.leaf(slot, inst);
-            self.trees[inst.group].set(index, leaf);
+            self.trees[tree_of(inst)].set(index, leaf);
         }
     }
 
@@ -215,8 +224,12 @@ impl Placement {
         }
         let q = self.query(n, seq);
         let mut best: Best = None;
-        for (tree, costs) in self.trees.iter().zip(groups) {
-            tree.search(&q, costs, &mut best);
+        // Idle instances first: their keys are usually the smaller, so the busy trees'
+        // searches start from a tight best and prune early.
+        for busy in [0, 1] {
+            for (g, costs) in groups.iter().enumerate() {
+                self.trees[2 * g + busy].search(&q, costs, &mut best);
+            }
         }
         if best.is_none() && self.no_fit.is_none_or(|(fn_, fs)| n <= fn_ && seq <= fs) {
             self.no_fit = Some((n, seq));
