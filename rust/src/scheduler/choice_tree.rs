@@ -78,7 +78,7 @@ impl Query {
     /// Key of a leaf, or a lower bound of the keys below an aggregate.
     fn key(&self, leaf: &Leaf, costs: &DegreeCosts) -> f64 {
         if self.timed {
-            leaf.start + leaf.factor * costs.full((leaf.tokens + self.n) as f64)
+            leaf.start + leaf.factor * costs.full_tokens(leaf.tokens + self.n)
         } else {
             leaf.start
         }

@@ -88,12 +88,19 @@ pub fn steps_per_block(steps: impl Iterator<Item = StepsLeft>) -> Option<f64> {
     (blocks > 0.0).then(|| total / blocks)
 }
 
+/// Most tokens [`DegreeCosts::full_tokens`] reads from its table (512 KiB of it).
+const FULL_TABLE_TOKENS: u64 = 1 << 16;
+
 /// Non-decreasing step-latency tables of one TP degree.
 #[derive(Clone, Debug)]
 pub struct DegreeCosts {
     pub tp: u32,
     /// Full-sequence steps: recompute steps with caching, no-cache steps without.
     full: MonotoneTable,
+    /// `full` at every whole number of tokens up to the default budget: instance choice
+    /// prices a step at each node it visits, and a lookup is several times cheaper than
+    /// interpolating (same values).
+    full_by_tokens: Vec<f64>,
     /// Block-only steps by cached context; present only with caching.
     cache: Option<ContextCosts>,
     /// Full-sequence tokens per second at the best batch size within `default_budget`
@@ -150,9 +157,13 @@ impl DegreeCosts {
             None
         };
         let full_throughput = best_full_rate(&full, max_batch_tokens as f64);
+        let full_by_tokens = (0..=max_batch_tokens.min(FULL_TABLE_TOKENS))
+            .map(|tokens| full.latency(tokens as f64))
+            .collect();
         Ok(Self {
             tp,
             full,
+            full_by_tokens,
             cache,
             full_throughput,
             default_budget: max_batch_tokens,
@@ -162,6 +173,17 @@ impl DegreeCosts {
     /// Seconds of a full-sequence step over `tokens` batch tokens.
     pub fn full(&self, tokens: f64) -> f64 {
         self.full.latency(tokens)
+    }
+
+    /// [`Self::full`] at a whole number of tokens.
+    pub fn full_tokens(&self, tokens: u64) -> f64 {
+        match usize::try_from(tokens)
+            .ok()
+            .and_then(|t| self.full_by_tokens.get(t))
+        {
+            Some(&secs) => secs,
+            None => self.full(tokens as f64),
+        }
     }
 
     /// Seconds of a cache step over `tokens` batch tokens whose requests hold `context`
@@ -179,7 +201,7 @@ impl DegreeCosts {
     pub fn batch(&self, full_tokens: u64, cache_tokens: u64, context: f64) -> f64 {
         let mut secs = 0.0;
         if full_tokens > 0 {
-            secs += self.full(full_tokens as f64);
+            secs += self.full_tokens(full_tokens);
         }
         if cache_tokens > 0 {
             secs += self.cache(cache_tokens as f64, context);
@@ -283,6 +305,16 @@ mod tests {
         let one = LatencyProfile::from_tables([(1, StepKind::NoCache, vec![(3, 0.1)])]).unwrap();
         let c = DegreeCosts::new(&one, 1, false, 100).unwrap();
         assert!(c.full(3.0000000001) >= c.full(3.0));
+    }
+
+    #[test]
+    fn whole_token_costs_equal_interpolated_ones() {
+        for budget in [1, 150, 1000] {
+            let c = DegreeCosts::new(&profile(), 1, true, budget).unwrap();
+            for tokens in (0..3 * budget).chain([u64::MAX / 2]) {
+                assert_eq!(c.full_tokens(tokens), c.full(tokens as f64), "{tokens}");
+            }
+        }
     }
 
     #[test]

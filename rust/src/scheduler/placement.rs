@@ -254,7 +254,7 @@ impl Placement {
     fn key_of(&self, leaf: &Leaf, n: u64, costs: &DegreeCosts) -> f64 {
         match self.choice {
             Some(InstanceChoice::LeastLoaded) => leaf.start,
-            _ => leaf.start + leaf.factor * costs.full((leaf.tokens + n) as f64),
+            _ => leaf.start + leaf.factor * costs.full_tokens(leaf.tokens + n),
         }
     }
 
@@ -277,9 +277,7 @@ impl Placement {
             Some(InstanceChoice::LeastLoaded) => {
                 (inst.resident_tokens.saturating_sub(seq) + round) as f64
             }
-            _ => {
-                self.start(inst) + inst.factor * costs.full((inst.base_tokens() + round + n) as f64)
-            }
+            _ => self.start(inst) + inst.factor * costs.full_tokens(inst.base_tokens() + round + n),
         })
     }
 
@@ -346,6 +344,6 @@ impl Placement {
         if tokens == 0 {
             return self.start(inst);
         }
-        self.start(inst) + inst.factor * costs.full(tokens as f64)
+        self.start(inst) + inst.factor * costs.full_tokens(tokens)
     }
 }

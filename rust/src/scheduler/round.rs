@@ -557,7 +557,7 @@ pub(crate) fn step_prices(
     caching: bool,
     block: u32,
 ) -> StepPrices {
-    let full = costs.full(inst.resident_tokens as f64) * inst.factor;
+    let full = costs.full_tokens(inst.resident_tokens) * inst.factor;
     let cache = if caching {
         costs.cache(
             f64::from(block) * f64::from(inst.residents),
