@@ -84,47 +84,53 @@ impl LoadControl {
     /// highest level `L` whose load — each request at its highest allowed candidate at or
     /// below `L`, plus `expected[L]` from arrivals to come — fits `capacity`, caps everyone
     /// at `L`, then raises requests one candidate further, in order, while the spare
-    /// capacity lasts. `k` candidates; `expected` holds `k` loads (or none).
+    /// capacity lasts. Request `i` has the non-empty threshold bitmask `allowed[i]` and
+    /// the loads `loads[i * k..(i + 1) * k]` at the `k` candidates (1 to 32); its cap goes
+    /// to `caps[i]`. `expected` holds `k` loads (or none).
     ///
     /// Returns the load of every request at its lowest candidate with the expected
     /// arrivals at the lowest: beyond `capacity`, no cap can make the load fit.
-    #[allow(clippy::too_many_arguments)]
     pub fn uniform(
         &mut self,
-        n: usize,
         k: usize,
         capacity: f64,
         expected: &[f64],
-        allowed: impl Fn(usize) -> u32,
-        load: impl Fn(usize, usize) -> f64,
-        mut set_cap: impl FnMut(usize, usize),
+        allowed: &[u32],
+        loads: &[f64],
+        caps: &mut [u8],
     ) -> f64 {
         let coming = |level: usize| expected.get(level).copied().unwrap_or(0.0);
         self.totals.clear();
         self.totals.extend((0..k).map(coming));
-        for i in 0..n {
-            let mask = allowed(i);
-            for (level, total) in self.totals.iter_mut().enumerate() {
-                *total += load(i, at_most(mask, level));
+        // Most requests allow every candidate: their level-`l` load is simply column `l`.
+        let every = u32::MAX >> (32 - k);
+        for (&mask, row) in allowed.iter().zip(loads.chunks_exact(k)) {
+            if mask == every {
+                for (total, load) in self.totals.iter_mut().zip(row) {
+                    *total += load;
+                }
+            } else {
+                for (level, total) in self.totals.iter_mut().enumerate() {
+                    *total += row[at_most(mask, level)];
+                }
             }
         }
         let level = (0..k).rev().find(|&l| self.totals[l] <= capacity);
         // Nothing fits: everyone stays at the lowest.
         let mut spare = level.map_or(f64::NEG_INFINITY, |l| capacity - self.totals[l]);
         let level = level.unwrap_or(0);
-        for i in 0..n {
-            let mask = allowed(i);
+        for ((&mask, row), cap_out) in allowed.iter().zip(loads.chunks_exact(k)).zip(caps) {
             let mut cap = at_most(mask, level);
             let above = mask & !super::threshold::capped(mask, cap);
             if above != 0 {
                 let next = above.trailing_zeros() as usize;
-                let extra = load(i, next) - load(i, cap);
+                let extra = row[next] - row[cap];
                 if extra <= spare {
                     spare -= extra;
                     cap = next;
                 }
             }
-            set_cap(i, cap);
+            *cap_out = cap as u8;
         }
         self.totals.first().copied().unwrap_or(0.0)
     }
@@ -183,18 +189,16 @@ mod tests {
     }
 
     fn uniform(loads: &[Vec<f64>], masks: &[u32], capacity: f64, expected: &[f64]) -> Vec<usize> {
-        let mut caps = vec![usize::MAX; loads.len()];
-        let k = loads[0].len();
+        let mut caps = vec![u8::MAX; loads.len()];
         let _ = LoadControl::default().uniform(
-            loads.len(),
-            k,
+            loads[0].len(),
             capacity,
             expected,
-            |i| masks[i],
-            |i, t| loads[i][t],
-            |i, t| caps[i] = t,
+            masks,
+            &loads.concat(),
+            &mut caps,
         );
-        caps
+        caps.into_iter().map(usize::from).collect()
     }
 
     #[test]
@@ -230,12 +234,11 @@ mod tests {
         let lowest_load = |capacity: f64, expected: &[f64]| {
             LoadControl::default().uniform(
                 3,
-                3,
                 capacity,
                 expected,
-                |_| 0b111,
-                |_, k| loads[0][k],
-                |_, _| {},
+                &[0b111; 3],
+                &loads.concat(),
+                &mut [0; 3],
             )
         };
         assert_eq!(lowest_load(30.0, &[]), 30.0);

@@ -189,13 +189,12 @@ impl Scheduler {
                 self.forecast
                     .expected(now, window, FORECAST_WINDOWS * window, expected);
                 let lowest = self.scratch.load.uniform(
-                    n,
                     k,
                     capacity * self.config.target_utilisation,
                     expected,
-                    |i| allowed[i],
-                    |i, t| loads[i * k + t],
-                    |i, t| caps[i] = t as u8,
+                    allowed,
+                    loads,
+                    caps,
                 );
                 lowest > capacity
             }
