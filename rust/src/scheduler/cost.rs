@@ -7,7 +7,6 @@
 //! depend on the cached context they attend to; where the profile measured several context
 //! lengths the cost interpolates between them.
 
-use super::predictor::StepsLeft;
 use crate::profile::{interpolate_context, LatencyProfile, LatencyTable, ProfileError, StepKind};
 
 /// A latency table made non-decreasing, interpolated like [`crate::profile::LatencyTable`]
@@ -79,13 +78,6 @@ impl ContextCosts {
     fn latency(&self, tokens: f64, context: f64) -> f64 {
         interpolate_context(&self.contexts, context, |i| self.tables[i].latency(tokens))
     }
-}
-
-/// Steps per block the predictions `steps` imply: all their steps over their recompute
-/// steps (one per remaining block); `None` when no block is left.
-pub fn steps_per_block(steps: impl Iterator<Item = StepsLeft>) -> Option<f64> {
-    let (total, blocks) = steps.fold((0.0, 0.0), |(t, b), s| (t + s.total(), b + s.recompute));
-    (blocks > 0.0).then(|| total / blocks)
 }
 
 /// Most tokens [`DegreeCosts::full_tokens`] reads from its table (512 KiB of it).
@@ -350,10 +342,6 @@ mod tests {
         let got = c.throughput(500.0, 32, 4.0, Limits::budget(1000));
         assert_eq!(got, expected);
         assert!(got != c.throughput(500.0, 32, 32.0, Limits::budget(1000)));
-        let steps = |cache, recompute| StepsLeft { cache, recompute };
-        let spb = steps_per_block([steps(6.0, 2.0), steps(3.0, 1.0)].into_iter());
-        assert_eq!(spb, Some(4.0));
-        assert_eq!(steps_per_block(std::iter::empty()), None);
     }
 
     #[test]

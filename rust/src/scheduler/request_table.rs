@@ -54,6 +54,26 @@ pub(crate) struct RequestTable {
 
 const NO_POS: u32 = u32::MAX;
 
+/// What load control sums over the live requests, each in load order.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct LoadSums {
+    pub seq_tokens: f64,
+    /// Of deadline − arrival.
+    pub slo: f64,
+    /// Predicted steps, and recompute steps (one per block left), at each request's cap.
+    pub steps: f64,
+    pub blocks: f64,
+    /// Load at each request's lowest allowed threshold.
+    pub lowest_load: f64,
+}
+
+impl LoadSums {
+    /// Steps per block the predictions at the caps imply; `None` when no block is left.
+    pub fn steps_per_block(&self) -> Option<f64> {
+        (self.blocks > 0.0).then(|| self.steps / self.blocks)
+    }
+}
+
 impl RequestTable {
     pub fn new(config: &SchedulerConfig) -> Self {
         Self {
@@ -136,13 +156,22 @@ impl RequestTable {
         &self.cols.loads
     }
 
-    pub fn seq_tokens(&self) -> &[f64] {
-        &self.cols.seq_tokens
-    }
-
-    /// SLO (deadline − arrival) per position.
-    pub fn slo(&self) -> &[f64] {
-        &self.cols.slo
+    /// Every sum of [`LoadSums`] in one pass over the columns. Dead positions hold zeros
+    /// (sequence tokens, SLO, predictions, loads), so the sums are over live requests.
+    pub fn load_sums(&self) -> LoadSums {
+        let k = self.thresholds;
+        let c = &self.cols;
+        let mut sums = LoadSums::default();
+        let rows = c.steps.chunks_exact(k).zip(c.loads.chunks_exact(k));
+        for (p, (steps, loads)) in rows.enumerate() {
+            sums.seq_tokens += c.seq_tokens[p];
+            sums.slo += c.slo[p];
+            let at_cap = steps[usize::from(c.caps[p])];
+            sums.steps += at_cap.total();
+            sums.blocks += at_cap.recompute;
+            sums.lowest_load += loads[c.allowed[p].trailing_zeros() as usize];
+        }
+        sums
     }
 
     /// Predictions of one position, one per candidate threshold.
@@ -219,7 +248,8 @@ impl RequestTable {
         pos
     }
 
-    /// Forgets a request. Its position stays, dead and weightless, until the next normalize.
+    /// Forgets a request. Its position stays, dead and weightless (zero tokens, SLO,
+    /// predictions and loads), until the next normalize.
     pub fn remove(&mut self, pos: u32) {
         let k = self.thresholds;
         let p = pos as usize;
@@ -231,6 +261,7 @@ impl RequestTable {
         self.pos_of[r.handle as usize] = NO_POS;
         self.free_handles.push(r.handle);
         c.allowed[p] = 1;
+        c.steps[p * k..(p + 1) * k].fill(StepsLeft::default());
         c.loads[p * k..(p + 1) * k].fill(0.0);
         c.seq_tokens[p] = 0.0;
         c.slo[p] = 0.0;
@@ -309,7 +340,7 @@ mod tests {
         }
         t.remove(t.pos_of(3).unwrap());
         assert!(t.pos_of(3).is_err());
-        assert_eq!(t.seq_tokens().iter().sum::<f64>(), 3.0 * 33.0);
+        assert_eq!(t.load_sums().seq_tokens, 3.0 * 33.0);
         add(&mut t, &cfg, RequestSpec::new(5, 0.5, 10.0, 1, 1));
         add(&mut t, &cfg, RequestSpec::new(6, 9.0, 10.0, 1, 1));
         t.normalize();
@@ -361,6 +392,34 @@ mod tests {
             }
         );
         assert_eq!(t.loads()[0], 3.0 * 32.0);
+    }
+
+    #[test]
+    fn load_sums_count_live_requests_only() {
+        let cfg = config();
+        let mut t = RequestTable::new(&cfg);
+        let steps = |cache, recompute| vec![StepsLeft { cache, recompute }; 5];
+        for (id, (cache, recompute)) in [(6.0, 2.0), (9.0, 9.0), (3.0, 1.0)].into_iter().enumerate()
+        {
+            let pos = add(
+                &mut t,
+                &cfg,
+                RequestSpec::new(id as u64, 0.0, 10.0 + id as f64, 8, 32),
+            );
+            t.set_steps(pos, &steps(cache, recompute));
+        }
+        t.remove(t.pos_of(1).unwrap());
+        let sums = t.load_sums();
+        assert_eq!(sums.seq_tokens, 2.0 * 40.0);
+        assert_eq!(sums.slo, 10.0 + 12.0);
+        assert_eq!((sums.steps, sums.blocks), (8.0 + 4.0, 3.0));
+        assert_eq!(sums.steps_per_block(), Some(4.0));
+        // Caps start at the highest threshold; lowest loads are at the lowest one.
+        assert_eq!(sums.lowest_load, t.loads()[0] + t.loads()[2 * 5]);
+        t.remove(t.pos_of(0).unwrap());
+        t.remove(t.pos_of(2).unwrap());
+        assert_eq!(t.load_sums(), LoadSums::default());
+        assert_eq!(t.load_sums().steps_per_block(), None);
     }
 
     #[test]

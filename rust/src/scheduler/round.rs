@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use super::config::{LoadModel, ThresholdPolicy};
-use super::cost::{steps_per_block, DegreeCosts, Limits};
+use super::cost::{DegreeCosts, Limits};
 use super::decisions::{
     Batch, BatchEntry, Decisions, Migration, MigrationReason, ThresholdReason, ThresholdWhy,
     WaitReason, Waiting,
@@ -128,24 +128,12 @@ impl Scheduler {
         if live == 0 {
             return false;
         }
-        // Dead positions hold zeros, so these sums are over live requests, in load order.
-        let (mut seq_sum, mut slo_sum) = (0.0, 0.0);
-        for (seq, slo) in self.requests.seq_tokens().iter().zip(self.requests.slo()) {
-            seq_sum += seq;
-            slo_sum += slo;
-        }
-        let window = self.config.slo_window_s.unwrap_or(slo_sum / live as f64);
-        let mean_seq = seq_sum / live as f64;
+        let sums = self.requests.load_sums();
+        let window = self.config.slo_window_s.unwrap_or(sums.slo / live as f64);
+        let mean_seq = sums.seq_tokens / live as f64;
         let (block, max_tokens) = (self.config.block_length, self.config.max_batch_tokens);
         // Steps per block at the thresholds requests may use now (their current caps).
-        let caps = self.requests.caps();
-        let reqs = self.requests.reqs();
-        let spb = steps_per_block(
-            (0..reqs.len())
-                .filter(|&p| reqs[p].alive)
-                .map(|p| self.requests.steps_of(p as u32)[caps[p] as usize]),
-        )
-        .unwrap_or(f64::from(block));
+        let spb = sums.steps_per_block().unwrap_or(f64::from(block));
         let throughput = &mut self.scratch.throughput;
         throughput.clear();
         throughput.extend(
@@ -173,9 +161,7 @@ impl Scheduler {
         let k = self.config.thresholds.len();
         let n = self.requests.len();
         let (allowed, loads, caps) = self.requests.load_lanes();
-        self.backlog_lowest = (0..n)
-            .map(|i| loads[i * k + allowed[i].trailing_zeros() as usize])
-            .sum();
+        self.backlog_lowest = sums.lowest_load;
         match self.config.policy.load_model {
             LoadModel::Window => self.scratch.load.run(
                 n,
