@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 
 use super::error::SchedError;
+use crate::id_map::IdMap;
 
 /// A serving instance as the cluster manager announces it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -139,7 +140,7 @@ impl Instance {
 #[derive(Clone, Debug, Default)]
 pub(crate) struct InstanceTable {
     pub slots: Vec<Instance>,
-    index: HashMap<u64, u32>,
+    index: IdMap<u64, u32>,
     gpus_held: HashMap<(u32, u32), u64>,
 }
 

@@ -2,7 +2,6 @@
 //! priority) order, so load control and dispatch read memory front to back.
 
 use std::cmp::Ordering;
-use std::collections::HashMap;
 
 use super::config::{LoadOrder, SchedulerConfig};
 use super::error::SchedError;
@@ -10,6 +9,7 @@ use super::history::History;
 use super::load_control::request_load;
 use super::predictor::StepsLeft;
 use super::request::Request;
+use crate::id_map::IdMap;
 
 /// Columns the table keeps per position; double-buffered so reordering does not allocate.
 #[derive(Clone, Debug, Default)]
@@ -43,7 +43,7 @@ pub(crate) struct RequestTable {
     /// Life record, by handle.
     pub history: Vec<History>,
     free_handles: Vec<u32>,
-    index: HashMap<u64, u32>,
+    index: IdMap<u64, u32>,
     dead: usize,
     unsorted: bool,
     order: LoadOrder,

@@ -2,7 +2,7 @@
 //! handed to the scheduler exactly as the live engine hands it worker reports.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::BinaryHeap;
 use std::time::Instant;
 
 use rand::rngs::SmallRng;
@@ -12,6 +12,7 @@ use super::outcome::{RequestOutcome, SimResult, SimStats};
 use super::progress::ProgressModel;
 use super::reconfig::Reconfig;
 use super::{SimError, SimOptions, SimRequest};
+use crate::id_map::IdMap;
 use crate::planner::Arrival;
 use crate::profile::StepKind;
 use crate::scheduler::{
@@ -75,8 +76,8 @@ pub(super) struct Simulation<'a> {
     progress: &'a ProgressModel,
     quantum: f64,
     rng: SmallRng,
-    costs: HashMap<u32, DegreeCosts>,
-    pub instances: HashMap<u64, SimInstance>,
+    costs: IdMap<u32, DegreeCosts>,
+    pub instances: IdMap<u64, SimInstance>,
     due: BinaryHeap<Reverse<(Time, u64)>>,
     tally: Vec<Tally>,
     outcomes: Vec<RequestOutcome>,
@@ -153,8 +154,8 @@ impl<'a> Simulation<'a> {
             progress,
             quantum: options.round_quantum_s,
             rng: SmallRng::seed_from_u64(options.seed),
-            costs: HashMap::new(),
-            instances: HashMap::new(),
+            costs: IdMap::default(),
+            instances: IdMap::default(),
             due: BinaryHeap::new(),
             tally: vec![
                 Tally {
