@@ -4,6 +4,7 @@
 //! touching the policies. Every prediction is checked ([`check_predictions`]): a NaN,
 //! infinite or negative one is a [`PredictError`], never a silently wrong threshold.
 
+use super::config::MAX_THRESHOLDS;
 use super::error::SchedError;
 
 /// What a predictor sees of one request.
@@ -188,6 +189,22 @@ impl Default for MeanRatePredictor {
     }
 }
 
+impl MeanRatePredictor {
+    /// Steps left for request `r` committing `rate` tokens per step.
+    fn steps_left(r: &RequestView, rate: f64) -> StepsLeft {
+        let masked = f64::from(r.block_length - r.unmasked_in_block);
+        let block = f64::from(r.block_length);
+        let future = f64::from(r.future_blocks());
+        let lost = if r.needs_recompute { 1.0 } else { 0.0 };
+        let current = (masked / rate).ceil();
+        let per_block = (block / rate).ceil();
+        StepsLeft {
+            cache: (current - lost) + future * (per_block - 1.0),
+            recompute: future + lost,
+        }
+    }
+}
+
 impl StepPredictor for MeanRatePredictor {
     fn predict(
         &self,
@@ -195,18 +212,38 @@ impl StepPredictor for MeanRatePredictor {
         thresholds: &[f64],
         out: &mut [StepsLeft],
     ) -> Result<(), PredictError> {
-        let masked = f64::from(r.block_length - r.unmasked_in_block);
-        let block = f64::from(r.block_length);
-        let future = f64::from(r.future_blocks());
-        let lost = if r.needs_recompute { 1.0 } else { 0.0 };
         for (slot, &tau) in out.iter_mut().zip(thresholds) {
-            let rate = self.rate(tau);
-            let current = (masked / rate).ceil();
-            let per_block = (block / rate).ceil();
-            *slot = StepsLeft {
-                cache: (current - lost) + future * (per_block - 1.0),
-                recompute: future + lost,
-            };
+            *slot = Self::steps_left(r, self.rate(tau));
+        }
+        Ok(())
+    }
+
+    /// The rates depend only on the thresholds: looked up once per batch, not per request.
+    fn predict_batch(
+        &self,
+        requests: &[RequestView],
+        thresholds: &[f64],
+        out: &mut [StepsLeft],
+    ) -> Result<(), PredictError> {
+        let k = thresholds.len();
+        let mut rates = [0.0; MAX_THRESHOLDS];
+        if k == 0 {
+            return Ok(());
+        }
+        if k > rates.len() {
+            for (request, row) in requests.iter().zip(out.chunks_exact_mut(k)) {
+                self.predict(request, thresholds, row)?;
+            }
+            return Ok(());
+        }
+        let rates = &mut rates[..k];
+        for (rate, &tau) in rates.iter_mut().zip(thresholds) {
+            *rate = self.rate(tau);
+        }
+        for (request, row) in requests.iter().zip(out.chunks_exact_mut(k)) {
+            for (slot, &rate) in row.iter_mut().zip(rates.iter()) {
+                *slot = Self::steps_left(request, rate);
+            }
         }
         Ok(())
     }
@@ -290,6 +327,26 @@ mod tests {
         let mut out = [StepsLeft::default(); 6];
         p.predict(&view(5, 2, false), &taus, &mut out).unwrap();
         assert!(out.windows(2).all(|w| w[0].total() <= w[1].total()));
+    }
+
+    #[test]
+    fn batches_predict_what_requests_one_by_one_do() {
+        let p = MeanRatePredictor::default();
+        let views: Vec<RequestView> = (0..4)
+            .flat_map(|block| [(0, true), (7, false), (31, false)].map(|(i, r)| view(i, block, r)))
+            .collect();
+        // Within the stack-sized batch path and past it.
+        for k in [1, 6, MAX_THRESHOLDS + 3] {
+            let taus: Vec<f64> = (0..k).map(|i| 0.4 + 0.6 * i as f64 / k as f64).collect();
+            let mut batched = vec![StepsLeft::default(); views.len() * k];
+            p.predict_batch(&views, &taus, &mut batched).unwrap();
+            for (v, row) in views.iter().zip(batched.chunks_exact(k)) {
+                let mut one = vec![StepsLeft::default(); k];
+                p.predict(v, &taus, &mut one).unwrap();
+                assert_eq!(row, &one[..]);
+            }
+        }
+        p.predict_batch(&views, &[], &mut []).unwrap();
     }
 
     #[test]
