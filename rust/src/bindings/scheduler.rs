@@ -79,9 +79,9 @@ impl From<SchedError> for PyErr {
             | SchedError::UnknownThreshold { .. }
             | SchedError::RequestTooLarge { .. } => InvalidRequestError::new_err(msg),
             SchedError::UnknownRequest(_) => UnknownRequestError::new_err(msg),
-            SchedError::Admission { .. } | SchedError::Unmeetable { .. } => {
-                AdmissionError::new_err(msg)
-            }
+            SchedError::Admission { .. }
+            | SchedError::Unmeetable { .. }
+            | SchedError::Shed { .. } => AdmissionError::new_err(msg),
             SchedError::InvalidInstance { .. }
             | SchedError::DuplicateInstance(_)
             | SchedError::GpuInUse { .. } => InvalidInstanceError::new_err(msg),

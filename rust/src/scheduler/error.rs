@@ -45,6 +45,12 @@ pub enum SchedError {
         estimate_s: f64,
         slo_s: f64,
     },
+    #[error(
+        "request {id} rejected: the offered load exceeds what the cluster serves even at \
+         the lowest thresholds, so {pct:.0} % of arrivals are turned away",
+        pct = share * 100.0
+    )]
+    Shed { id: u64, share: f64 },
     #[error("invalid instance {id}: {reason}")]
     InvalidInstance { id: u64, reason: String },
     #[error("instance {0} already exists")]

@@ -79,16 +79,12 @@ impl Scheduler {
                 .map(|s| request_load(*s, seq, block, caching)),
         );
         let lowest = allowed.trailing_zeros() as usize;
-        if let Some(estimate_s) = self.unmeetable(&request, lowest, spec.deadline - spec.arrival) {
+        self.shedder
+            .offer(spec.arrival, &self.scratch.arrival_loads);
+        if let Some(refusal) = self.refusal(&spec, &request, lowest) {
             match self.config.policy.admission {
                 Admission::Off => {}
-                Admission::Reject => {
-                    return Err(SchedError::Unmeetable {
-                        id: spec.id,
-                        estimate_s,
-                        slo_s: spec.deadline - spec.arrival,
-                    })
-                }
+                Admission::Reject => return Err(refusal),
                 Admission::BestEffort => request.seq |= BEST_EFFORT,
             }
         }
@@ -103,17 +99,39 @@ impl Scheduler {
         Ok(())
     }
 
-    /// *(ours)* Deadline admission: the seconds an arrival would take at its `lowest`
-    /// threshold sharing the whole cluster with every live request at its own lowest (or
-    /// alone on the fastest instance, if longer) — when that exceeds `slo_s`.
-    /// `None` when it fits, or before the first round has measured the capacity.
-    fn unmeetable(&self, request: &Request, lowest: usize, slo_s: f64) -> Option<f64> {
+    /// *(ours)* Why admission would refuse an arrival, if it would: it cannot meet its
+    /// deadline (see [`Self::unmeetable`]), or it falls in the share of arrivals shed while
+    /// the offered load exceeds what the cluster carries at the lowest thresholds.
+    fn refusal(
+        &mut self,
+        spec: &RequestSpec,
+        request: &Request,
+        lowest: usize,
+    ) -> Option<SchedError> {
         let active = matches!(self.config.policy.threshold, ThresholdPolicy::SloAware)
             && self.config.policy.load_control
             && self.config.policy.admission != Admission::Off;
         if !active || self.capacity_rate <= 0.0 {
             return None;
         }
+        let slo_s = spec.deadline - spec.arrival;
+        if let Some(estimate_s) = self.unmeetable(request, lowest, slo_s) {
+            return Some(SchedError::Unmeetable {
+                id: spec.id,
+                estimate_s,
+                slo_s,
+            });
+        }
+        self.shedder.refuse_next().then(|| SchedError::Shed {
+            id: spec.id,
+            share: self.shedder.fraction(),
+        })
+    }
+
+    /// Deadline admission: the seconds an arrival would take at its `lowest` threshold
+    /// sharing the whole cluster with every live request at its own lowest (or alone on the
+    /// fastest instance, if longer) — when that exceeds `slo_s`.
+    fn unmeetable(&self, request: &Request, lowest: usize, slo_s: f64) -> Option<f64> {
         let steps = self.scratch.predicted[lowest];
         let seq = request.seq_tokens() as f64;
         let block = f64::from(request.block_length);
@@ -128,7 +146,7 @@ impl Scheduler {
         let ahead = self.backlog_lowest.min(self.requests.live() as f64 * own);
         let shared = (ahead + own) / self.capacity_rate;
         let estimate = shared.max(if alone.is_finite() { alone } else { 0.0 });
-        (estimate > slo_s || self.overloaded).then_some(estimate)
+        (estimate > slo_s).then_some(estimate)
     }
 
     /// Takes a request out of the scheduler. If it is in flight, its instance's report may
@@ -140,7 +158,7 @@ impl Scheduler {
             let estimate = r.next_step_estimate(self.config.caching);
             let inst = &mut self.instances.slots[home as usize];
             inst.drop_resident(r.seq_tokens());
-            if r.in_flight {
+            if !self.requests.ready(pos) {
                 inst.inflight.retain(|&h| h != r.handle);
                 inst.cancelled.push(id);
                 inst.next_tokens = inst.next_tokens.saturating_sub(estimate);
@@ -260,7 +278,7 @@ impl Scheduler {
             }
             let pos = self.requests.pos_of(res.request)?;
             let r = self.requests.req(pos);
-            if !(r.in_flight && r.home == Some(inst_slot)) {
+            if self.requests.ready(pos) || r.home != Some(inst_slot) {
                 return Err(bad(format!("request {} is not in its batch", res.request)));
             }
             let masked = r.block_length - r.unmasked_in_block;
@@ -293,9 +311,9 @@ impl Scheduler {
     /// Advances one request by a committed step.
     fn commit(&mut self, pos: u32, committed: u32, eos: bool) -> Commit {
         let caching = self.config.caching;
+        self.requests.set_ready(pos, true);
         let r = self.requests.req_mut(pos);
         let was_full = r.needs_recompute();
-        r.in_flight = false;
         r.steps_done += 1;
         r.block_steps += 1;
         r.unmasked += committed;

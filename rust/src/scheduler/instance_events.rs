@@ -121,9 +121,9 @@ impl Scheduler {
     fn displace(&mut self, pos: u32, from: u64, reason: MigrationReason) {
         let caching = self.config.caching;
         let online = matches!(self.config.policy.prediction, Prediction::Online { .. });
+        self.requests.set_ready(pos, true);
         let r = self.requests.req_mut(pos);
         r.home = None;
-        r.in_flight = false;
         r.displaced_from = Some((from, reason));
         if caching && r.next_kind == StepKind::Cache {
             r.next_kind = StepKind::Recompute;

@@ -35,6 +35,7 @@ mod request;
 mod request_table;
 mod reservation;
 mod round;
+mod shedding;
 mod threshold;
 
 #[cfg(test)]
@@ -148,6 +149,8 @@ pub struct Scheduler {
     queued: u32,
     /// Recent admitted arrivals, for the forecast load control.
     forecast: forecast::ArrivalForecast,
+    /// Recent offered arrivals, for deadline admission under sustained overload.
+    shedder: shedding::LoadShedder,
     /// Load tokens per second the serving instances process (last round).
     capacity_rate: f64,
     /// Load of every live request at its lowest allowed threshold (last round, plus the
@@ -180,6 +183,7 @@ impl Scheduler {
             overloaded: false,
             queued: 0,
             forecast: Default::default(),
+            shedder: Default::default(),
             capacity_rate: 0.0,
             backlog_lowest: 0.0,
         })
@@ -243,7 +247,7 @@ impl Scheduler {
             current_block: r.current_block,
             instance: r.home.map(|h| self.instances.slots[h as usize].id),
             next_kind: r.next_kind,
-            in_flight: r.in_flight,
+            in_flight: !self.requests.ready(pos),
             allowed: (0..taus.len())
                 .filter(|k| allowed & (1 << k) != 0)
                 .map(|k| taus[k])

@@ -74,7 +74,6 @@ pub(crate) struct Request {
     /// Instance id of the last dispatch (`None` before the first), kept here so that a
     /// dispatch to the same instance does not touch the request's history.
     pub last_instance: Option<u64>,
-    pub in_flight: bool,
     pub alive: bool,
 }
 
@@ -187,7 +186,6 @@ impl Request {
             home: None,
             displaced_from: None,
             last_instance: None,
-            in_flight: false,
             alive: true,
         };
         let tokens = request.seq_tokens();

@@ -23,6 +23,9 @@ struct Columns {
     slo: Vec<f64>,
     /// Threshold of the last dispatched step (NaN before the first).
     last_tau: Vec<f64>,
+    /// Live and not in flight: its next step may be dispatched. A round scans this column,
+    /// not the requests.
+    ready: Vec<bool>,
 }
 
 /// Every live request, stored by *position* in load order so that a round streams through
@@ -114,16 +117,22 @@ impl RequestTable {
         &mut self.cols.reqs[pos as usize]
     }
 
-    pub fn reqs_mut(&mut self) -> &mut [Request] {
-        &mut self.cols.reqs
-    }
-
     pub fn last_tau(&self, pos: u32) -> f64 {
         self.cols.last_tau[pos as usize]
     }
 
     pub fn set_last_tau(&mut self, pos: u32, tau: f64) {
         self.cols.last_tau[pos as usize] = tau;
+    }
+
+    /// Whether the live request at `pos` awaits its next step (is not in flight).
+    pub fn ready(&self, pos: u32) -> bool {
+        self.cols.ready[pos as usize]
+    }
+
+    /// Marks the live request at `pos` dispatched (`false`) or back from its step (`true`).
+    pub fn set_ready(&mut self, pos: u32, ready: bool) {
+        self.cols.ready[pos as usize] = ready;
     }
 
     /// Position of the live request `id`.
@@ -239,6 +248,7 @@ impl RequestTable {
         c.seq_tokens.push(request.seq_tokens() as f64);
         c.slo.push(request.deadline - request.arrival);
         c.last_tau.push(f64::NAN);
+        c.ready.push(true);
         c.reqs.push(request);
         c.allowed.push(allowed);
         c.caps.push((31 - allowed.leading_zeros()) as u8);
@@ -256,7 +266,7 @@ impl RequestTable {
         let c = &mut self.cols;
         let r = &mut c.reqs[p];
         r.alive = false;
-        r.in_flight = false;
+        c.ready[p] = false;
         self.index.remove(&r.id);
         self.pos_of[r.handle as usize] = NO_POS;
         self.free_handles.push(r.handle);
@@ -297,6 +307,7 @@ impl RequestTable {
         gather(&mut spare.seq_tokens, &cols.seq_tokens, perm, 1);
         gather(&mut spare.slo, &cols.slo, perm, 1);
         gather(&mut spare.last_tau, &cols.last_tau, perm, 1);
+        gather(&mut spare.ready, &cols.ready, perm, 1);
         gather(&mut spare.steps, &cols.steps, perm, k);
         gather(&mut spare.loads, &cols.loads, perm, k);
         std::mem::swap(&mut self.cols, &mut self.spare);
@@ -349,6 +360,26 @@ mod tests {
         for id in [1, 2, 4, 5, 6] {
             assert_eq!(t.req(t.pos_of(id).unwrap()).id, id);
         }
+    }
+
+    #[test]
+    fn readiness_follows_its_request() {
+        let cfg = config();
+        let mut t = RequestTable::new(&cfg);
+        for (id, arrival) in [(1, 3.0), (2, 1.0), (3, 2.0)] {
+            add(&mut t, &cfg, RequestSpec::new(id, arrival, 10.0, 1, 1));
+        }
+        assert!(
+            (0..3).all(|p| t.ready(p)),
+            "a new request awaits its first step"
+        );
+        t.set_ready(t.pos_of(1).unwrap(), false);
+        let gone = t.pos_of(2).unwrap();
+        t.remove(gone);
+        assert!(!t.ready(gone), "a dead position is never ready");
+        t.normalize();
+        assert!(!t.ready(t.pos_of(1).unwrap()));
+        assert!(t.ready(t.pos_of(3).unwrap()));
     }
 
     #[test]

@@ -162,6 +162,9 @@ impl Scheduler {
         let n = self.requests.len();
         let (allowed, loads, caps) = self.requests.load_lanes();
         self.backlog_lowest = sums.lowest_load;
+        let planned = capacity * self.config.target_utilisation;
+        self.shedder
+            .update(now, window, FORECAST_WINDOWS * window, planned);
         match self.config.policy.load_model {
             LoadModel::Window => self.scratch.load.run(
                 n,
@@ -174,14 +177,10 @@ impl Scheduler {
                 let expected = &mut self.scratch.expected;
                 self.forecast
                     .expected(now, window, FORECAST_WINDOWS * window, expected);
-                let lowest = self.scratch.load.uniform(
-                    k,
-                    capacity * self.config.target_utilisation,
-                    expected,
-                    allowed,
-                    loads,
-                    caps,
-                );
+                let lowest = self
+                    .scratch
+                    .load
+                    .uniform(k, planned, expected, allowed, loads, caps);
                 lowest > capacity
             }
         }
@@ -221,12 +220,13 @@ impl Scheduler {
             _ => Placing::Free,
         };
 
-        for (pos, r) in requests.reqs_mut().iter_mut().enumerate() {
-            if !r.alive || r.in_flight {
+        for pos in 0..requests.len() as u32 {
+            if !requests.ready(pos) {
                 continue;
             }
-            let Placing::Stay(home) = placing(r, &instances.slots) else {
-                scratch.free.push(pos as u32);
+            let r = *requests.req(pos);
+            let Placing::Stay(home) = placing(&r, &instances.slots) else {
+                scratch.free.push(pos);
                 continue;
             };
             let inst = &instances.slots[home as usize];
@@ -236,11 +236,11 @@ impl Scheduler {
                 // On a busy home the step waits for the next batch there; it counts anyway.
                 placement.add_fixed(home, inst, n, r.next_kind != StepKind::Cache);
                 if open {
-                    r.in_flight = true;
+                    requests.set_ready(pos, false);
                     // Stays on its home: the same instance as its last dispatch.
                     scratch
                         .assigned
-                        .push(Assignment::new(home, pos as u32, r, false, now, caching));
+                        .push(Assignment::new(home, pos, &r, false, now, caching));
                     continue;
                 }
             }
@@ -357,8 +357,8 @@ impl Scheduler {
                 *reservation = None;
                 placement.release(rs, &instances.slots[rs as usize]);
             }
+            requests.set_ready(pos, false);
             let r = requests.req_mut(pos);
-            r.in_flight = true;
             r.home = Some(target);
             r.displaced_from = None;
             let (first, changed) = (r.last_instance.is_none(), r.last_instance != Some(to));

@@ -285,6 +285,7 @@ impl<'a> Simulation<'a> {
             Err(
                 SchedError::Admission { .. }
                 | SchedError::Unmeetable { .. }
+                | SchedError::Shed { .. }
                 | SchedError::RequestTooLarge { .. },
             ) => {
                 self.outcomes[index as usize].rejected = true;
