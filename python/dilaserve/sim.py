@@ -269,9 +269,19 @@ class SimRun:
         )
 
 
-def simulate(setup: ClusterSetup, policy: str, workload: Workload, rate: float) -> SimRun:
-    """Runs `workload` under the named policy (see `policy_named`)."""
-    slo = setup.slo_seconds(workload)
+def simulate(
+    setup: ClusterSetup,
+    policy: str,
+    workload: Workload,
+    rate: float,
+    slo_s: Sequence[float] | None = None,
+) -> SimRun:
+    """Runs `workload` under the named policy (see `policy_named`); each request's SLO is
+    `slo_s` when given (the deadlines of a live run being reproduced), else
+    `setup.slo_seconds`."""
+    if slo_s is not None and len(slo_s) != len(workload):
+        raise ValueError(f"{len(slo_s)} SLOs for {len(workload)} requests")
+    slo = setup.slo_seconds(workload) if slo_s is None else np.asarray(slo_s, dtype=np.float64)
     adapts = policy not in FIXED_LAYOUT
     degrees = setup.layout if adapts else (1,) * sum(setup.node_gpus)
     replan = None

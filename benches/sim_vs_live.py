@@ -1,0 +1,118 @@
+"""The simulator against the live system: dilaserve-tiny on this machine (two TP-1
+instances), the same latency profile (measured once by `dilaserve profile` and given to the
+server with `--profile`), the progress model recorded from the same model (its shipped
+`progress.json`), its LightGBM step predictor, the same arrivals, prompts, output lengths
+and deadlines (SLO = 5 × each task's isolated latency at τ 0.9, measured live), and the
+same quality floor. Every live and simulated summary is printed as a JSON line, then per
+policy and rate the differences, and the worst over all of them:
+
+- `sim_vs_live_attainment_abs_diff_pp`: |simulated − live| SLO attainment, points;
+- `sim_vs_live_mean_latency_rel_diff`: |simulated − live| / live mean latency.
+
+`python benches/sim_vs_live.py [--rates R,R,...] [--duration S] [--policies P,P]`
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from dilaserve.bench import SweepSpec, run_sweep
+from dilaserve.bench.workload import Arrival
+from dilaserve.engine.config import DEFAULT_THRESHOLDS
+from dilaserve.engine.quality import quality_floor
+from dilaserve.models import encode_prompt, load_tokenizer
+from dilaserve.predictor import progress as progress_model
+from dilaserve.scheduler import LatencyProfile
+from dilaserve.sim import ClusterSetup, Workload, simulate
+from dilaserve.tiny import default_model_dir
+from dilaserve.tiny.evaluate import gen_length
+
+BLOCK = 32
+#: Cached contexts the profile times cache steps at: the tiny tasks' sequence lengths.
+CACHE_CONTEXTS = "64,128,256"
+
+
+def emit(name: str, value: float, unit: str, **extra: object) -> None:
+    print(json.dumps({"name": name, "value": round(value, 4), "unit": unit, **extra}), flush=True)
+
+
+def measure_profile(path: Path) -> Path:
+    """`dilaserve profile` of dilaserve-tiny with one thread per rank, as each of the two
+    workers runs on this machine."""
+    subprocess.run(
+        [
+            *(sys.executable, "-m", "dilaserve", "profile"),
+            *("--threads", "1", "--cache-context", CACHE_CONTEXTS, "--output", str(path)),
+        ],
+        check=True,
+    )
+    return path
+
+
+def workload_of(arrivals: list[Arrival], duration_s: float, tokenizer) -> Workload:
+    """The live run's requests as the simulator takes them: arrival time, prompt tokens
+    and the output positions the client asks for."""
+    return Workload(
+        np.asarray([a.time for a in arrivals], dtype=np.float64),
+        np.asarray([len(encode_prompt(tokenizer, a.problem.prompt)) for a in arrivals], np.uint32),
+        np.asarray([gen_length(a.problem, BLOCK) for a in arrivals], dtype=np.uint32),
+        duration_s,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rates", default="8,16,32,48")
+    parser.add_argument("--duration", type=float, default=20.0, help="seconds per rate")
+    parser.add_argument("--policies", default="dilaserve,infaas")
+    parser.add_argument("--profile", help="use this profile instead of measuring one")
+    args = parser.parse_args()
+    model_dir = default_model_dir()
+    with tempfile.TemporaryDirectory() as tmp:
+        profile_path = Path(args.profile or measure_profile(Path(tmp) / "profile.json"))
+        spec = SweepSpec(
+            policies=args.policies.split(","),
+            rates=[float(r) for r in args.rates.split(",")],
+            duration_s=args.duration,
+            serve_args=["--instances", "2x1", "--profile", str(profile_path)],
+        )
+        live, slo = run_sweep(spec, on_summary=lambda s: print(json.dumps(s.to_dict())))
+        profile = LatencyProfile.load(str(profile_path))
+    setup = ClusterSetup(
+        profile=profile,
+        progress=progress_model.load(model_dir / "progress.json"),
+        node_gpus=(2,),
+        layout=(1, 1),
+        thresholds=quality_floor(DEFAULT_THRESHOLDS, model_dir, 0.03),
+        block_length=BLOCK,
+        predictor_model=str(model_dir / "predictor.txt"),
+        replan_interval_s=None,
+    )
+    tokenizer = load_tokenizer(model_dir)
+    worst_attainment = worst_latency = 0.0
+    for ours in live:
+        arrivals = spec.workload(ours.rate)
+        deadlines = [slo[a.problem.task] for a in arrivals]
+        workload = workload_of(arrivals, spec.duration_s, tokenizer)
+        sim = simulate(setup, ours.policy, workload, ours.rate, slo_s=deadlines).summary()
+        print(json.dumps({"simulated": True, **sim.to_dict()}))
+        attainment = 100 * abs(sim.attainment - ours.attainment)
+        latency = abs(sim.mean_latency_s - ours.mean_latency_s) / ours.mean_latency_s
+        where = {"policy": ours.policy, "rate": ours.rate}
+        emit("sim_vs_live_attainment_abs_diff_pp_at", attainment, "pp", **where)
+        emit("sim_vs_live_mean_latency_rel_diff_at", latency, "ratio", **where)
+        worst_attainment = max(worst_attainment, attainment)
+        worst_latency = max(worst_latency, latency)
+    emit("sim_vs_live_attainment_abs_diff_pp", worst_attainment, "pp", target=5.0, of="worst")
+    emit("sim_vs_live_mean_latency_rel_diff", worst_latency, "ratio", target=0.15, of="worst")
+
+
+if __name__ == "__main__":
+    main()
