@@ -89,17 +89,14 @@ impl Placement {
         self.queued.clear();
         self.queued.resize(n, (0, 0));
         self.open.clear();
-        self.open
-            .extend(instances.iter().map(|inst| inst.alive && !inst.busy));
-        self.targets = instances
-            .iter()
-            .filter(|inst| inst.alive && !inst.draining)
-            .count();
-        self.accepting = instances
-            .iter()
-            .zip(&self.open)
-            .filter(|(inst, &open)| open && !inst.draining)
-            .count();
+        (self.targets, self.accepting) = (0, 0);
+        for inst in instances {
+            let open = inst.alive && !inst.busy;
+            let target = inst.alive && !inst.draining;
+            self.open.push(open);
+            self.targets += usize::from(target);
+            self.accepting += usize::from(open && target);
+        }
         self.trees.resize_with(2 * groups, ChoiceTree::default);
         for tree in &mut self.trees {
             tree.clear();
