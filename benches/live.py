@@ -8,7 +8,7 @@ the ablations. Every summary is printed as a JSON line, then the comparison line
   `live_latency_ratio_vs_best_baseline` (mean latency), `live_accuracy_drop_pp`;
 - at the lightest rate: `live_light_attainment_gap_pp` (ours minus the best baseline).
 
-`python benches/live.py [--duration S] [--rates R,R,...] [--plot PNG]`
+`python benches/live.py [--duration S] [--rates R,R,...] [--policies P,P,...] [--plot PNG]`
 """
 
 from __future__ import annotations
@@ -69,9 +69,10 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=8.0, help="seconds per rate")
     parser.add_argument("--rates", default="2,4,6,8,12")
     parser.add_argument("--plot", default=None)
+    parser.add_argument("--policies", default=",".join(POLICIES))
     args = parser.parse_args()
     spec = SweepSpec(
-        policies=POLICIES,
+        policies=args.policies.split(","),
         rates=[float(r) for r in args.rates.split(",")],
         duration_s=args.duration,
         serve_args=["--instances", "2x1"],
