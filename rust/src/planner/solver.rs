@@ -77,6 +77,7 @@ pub(crate) struct Model {
     vars: ProblemVariables,
     all: Vec<Variable>,
     constraints: Vec<Constraint>,
+    presolve: bool,
 }
 
 impl Model {
@@ -85,6 +86,19 @@ impl Model {
             vars: ProblemVariables::new(),
             all: Vec::new(),
             constraints: Vec::new(),
+            presolve: false,
+        }
+    }
+
+    /// A model HiGHS presolves before its branch and bound (without restarts). Worth it on
+    /// Stage 1's phases: presolve removes about a sixth of a free phase's rows and columns
+    /// and solves a fixed deployment's phases outright (benches/planner.py: the worst
+    /// 16-GPU load fell from about 160 to 100 ms of CPU time), while the restarts it would
+    /// trigger cost more than they save.
+    pub fn presolved() -> Self {
+        Self {
+            presolve: true,
+            ..Self::new()
         }
     }
 
@@ -124,6 +138,7 @@ impl Model {
             vars,
             all,
             constraints,
+            ..
         } = self;
         let unsolved = vars.maximise(objective);
         let warm_pairs: Option<Vec<(Variable, f64)>> =
@@ -131,7 +146,10 @@ impl Model {
         match settings.solver {
             #[cfg(feature = "highs")]
             SolverKind::Highs => run(
-                highs_tuned(unsolved.using(good_lp::solvers::highs::highs)),
+                highs_tuned(
+                    unsolved.using(good_lp::solvers::highs::highs),
+                    self.presolve,
+                ),
                 constraints,
                 &all,
                 seconds,
@@ -169,18 +187,26 @@ const HIGHS_HEURISTICS_OFF: [&str; 6] = [
 ];
 
 /// HiGHS settings for these models. They are small and already tight: HiGHS's parallel
-/// search and its MIP presolve (with restarts) cost more than they save here
-/// (benches/planner.py measured about half the time without presolve), and the planner
-/// runs beside the engine loop, so one thread. The root closes the gap with few cuts, so a
+/// search costs more than it saves here, and the planner runs beside the engine loop, so
+/// one thread. Presolve runs only where the model asks for it ([`Model::presolved`]) and
+/// never restarts the search (benches/planner.py measured presolve with restarts at about
+/// twice the time of none). The root closes the gap with few cuts, so a
 /// minimal cut pool (HiGHS's soft limit on stored cuts, not a cap on the cuts in the LP)
 /// saves the time spent keeping hundreds of cuts (about a third of that load's time).
 #[cfg(feature = "highs")]
 fn highs_tuned(
     model: good_lp::solvers::highs::HighsProblem,
+    presolve: bool,
 ) -> good_lp::solvers::highs::HighsProblem {
+    use good_lp::solvers::highs::HighsPresolveType;
     let model = model
         .set_threads(1)
-        .set_presolve(good_lp::solvers::highs::HighsPresolveType::Off)
+        .set_presolve(if presolve {
+            HighsPresolveType::On
+        } else {
+            HighsPresolveType::Off
+        })
+        .set_option("mip_allow_restart", false)
         .set_option("mip_heuristic_effort", 0.0)
         .set_option("mip_pool_soft_limit", 1);
     HIGHS_HEURISTICS_OFF

@@ -506,7 +506,7 @@ pub(crate) struct Built {
 
 /// Builds the model of one phase.
 pub(crate) fn build(problem: &Problem, types: &[NodeType], spec: &PhaseSpec<'_>) -> Built {
-    let mut model = Model::new();
+    let mut model = Model::presolved();
     let max_inst = max_instances(problem, types);
     let vars = add_variables(&mut model, problem, types, spec, &max_inst);
     add_demand_and_latency(&mut model, problem, &vars, spec);
