@@ -90,11 +90,13 @@ impl Model {
         }
     }
 
-    /// A model HiGHS presolves before its branch and bound (without restarts). Worth it on
-    /// Stage 1's phases: presolve removes about a sixth of a free phase's rows and columns
-    /// and solves a fixed deployment's phases outright (benches/planner.py: the worst
-    /// 16-GPU load fell from about 160 to 100 ms of CPU time), while the restarts it would
-    /// trigger cost more than they save.
+    /// A model HiGHS presolves before its branch and bound (without restarts) and then
+    /// branches by pseudocosts alone, without strong branching to make them reliable first.
+    /// Worth it on Stage 1's phases: presolve removes about a sixth of a free phase's rows
+    /// and columns and solves a fixed deployment's phases outright, the restarts it would
+    /// trigger cost more than they save, and the search closes in a node or two, where
+    /// strong branching's extra LP solves do not pay (benches/planner.py: the worst 16-GPU
+    /// re-plan fell from about 160 to 80 ms of CPU time).
     pub fn presolved() -> Self {
         Self {
             presolve: true,
@@ -201,14 +203,16 @@ fn highs_tuned(
     use good_lp::solvers::highs::HighsPresolveType;
     let model = model
         .set_threads(1)
-        .set_presolve(if presolve {
-            HighsPresolveType::On
-        } else {
-            HighsPresolveType::Off
-        })
         .set_option("mip_allow_restart", false)
         .set_option("mip_heuristic_effort", 0.0)
         .set_option("mip_pool_soft_limit", 1);
+    let model = if presolve {
+        model
+            .set_presolve(HighsPresolveType::On)
+            .set_option("mip_pscost_minreliable", 0)
+    } else {
+        model.set_presolve(HighsPresolveType::Off)
+    };
     HIGHS_HEURISTICS_OFF
         .iter()
         .fold(model, |m, &name| m.set_option(name, false))
