@@ -120,10 +120,14 @@ impl LoadControl {
         let mut spare = level.map_or(f64::NEG_INFINITY, |l| capacity - self.totals[l]);
         let level = level.unwrap_or(0);
         for ((&mask, row), cap_out) in allowed.iter().zip(loads.chunks_exact(k)).zip(caps) {
-            let mut cap = at_most(mask, level);
-            let above = mask & !super::threshold::capped(mask, cap);
-            if above != 0 {
-                let next = above.trailing_zeros() as usize;
+            let (mut cap, next) = if mask == every {
+                (level, (level + 1 < k).then_some(level + 1))
+            } else {
+                let cap = at_most(mask, level);
+                let above = mask & !super::threshold::capped(mask, cap);
+                (cap, (above != 0).then(|| above.trailing_zeros() as usize))
+            };
+            if let Some(next) = next {
                 let extra = row[next] - row[cap];
                 if extra <= spare {
                     spare -= extra;
@@ -286,6 +290,42 @@ mod tests {
                 total += loads[i][k];
             }
             prop_assert!(all_lowest || total <= capacity * (1.0 + 1e-9) + 1e-9);
+        }
+
+        /// The caps are the definition's: each request's highest allowed candidate at or
+        /// below the highest level that fits, raised one candidate in order while the spare
+        /// lasts (checks the shortcuts for requests that allow every candidate).
+        #[test]
+        fn uniform_matches_its_definition(
+            (loads, masks, capacity) in case(),
+            full in prop::collection::vec(any::<bool>(), 40),
+            expected in prop::collection::vec(0.0f64..2000.0, 5),
+        ) {
+            let k = loads[0].len();
+            let every = u32::MAX >> (32 - k);
+            let masks: Vec<u32> =
+                masks.iter().zip(&full).map(|(&m, &f)| if f { every } else { m }).collect();
+            let expected = &expected[..k];
+            let total = |level: usize| {
+                loads.iter().zip(&masks).fold(expected[level], |t, (row, &m)| t + row[at_most(m, level)])
+            };
+            let level = (0..k).rev().find(|&l| total(l) <= capacity);
+            let mut spare = level.map_or(f64::NEG_INFINITY, |l| capacity - total(l));
+            let level = level.unwrap_or(0);
+            let mut want = Vec::new();
+            for (row, &m) in loads.iter().zip(&masks) {
+                let mut cap = at_most(m, level);
+                let above = m & !super::super::threshold::capped(m, cap);
+                if above != 0 {
+                    let next = above.trailing_zeros() as usize;
+                    if row[next] - row[cap] <= spare {
+                        spare -= row[next] - row[cap];
+                        cap = next;
+                    }
+                }
+                want.push(cap);
+            }
+            prop_assert_eq!(uniform(&loads, &masks, capacity, expected), want);
         }
 
         /// More capacity never lowers the first request's cap.

@@ -106,6 +106,10 @@ pub fn check_predictions(
     if thresholds.is_empty() {
         return Ok(());
     }
+    let valid = |value: f64| value.is_finite() && value >= 0.0;
+    if out.iter().all(|s| valid(s.cache) && valid(s.recompute)) {
+        return Ok(());
+    }
     for (request, row) in requests.iter().zip(out.chunks_exact(thresholds.len())) {
         for (s, &threshold) in row.iter().zip(thresholds) {
             for (kind, value) in [("cache", s.cache), ("recompute", s.recompute)] {
@@ -190,14 +194,17 @@ impl Default for MeanRatePredictor {
 }
 
 impl MeanRatePredictor {
-    /// Steps left for request `r` committing `rate` tokens per step.
-    fn steps_left(r: &RequestView, rate: f64) -> StepsLeft {
+    /// Steps a whole block of `block` positions takes at `rate` tokens per step.
+    fn block_steps(block: u32, rate: f64) -> f64 {
+        (f64::from(block) / rate).ceil()
+    }
+
+    /// Steps left for request `r` committing `rate` tokens per step, `per_block` a block.
+    fn steps_left(r: &RequestView, rate: f64, per_block: f64) -> StepsLeft {
         let masked = f64::from(r.block_length - r.unmasked_in_block);
-        let block = f64::from(r.block_length);
         let future = f64::from(r.future_blocks());
         let lost = if r.needs_recompute { 1.0 } else { 0.0 };
         let current = (masked / rate).ceil();
-        let per_block = (block / rate).ceil();
         StepsLeft {
             cache: (current - lost) + future * (per_block - 1.0),
             recompute: future + lost,
@@ -213,12 +220,14 @@ impl StepPredictor for MeanRatePredictor {
         out: &mut [StepsLeft],
     ) -> Result<(), PredictError> {
         for (slot, &tau) in out.iter_mut().zip(thresholds) {
-            *slot = Self::steps_left(r, self.rate(tau));
+            let rate = self.rate(tau);
+            *slot = Self::steps_left(r, rate, Self::block_steps(r.block_length, rate));
         }
         Ok(())
     }
 
-    /// The rates depend only on the thresholds: looked up once per batch, not per request.
+    /// The rates depend only on the thresholds, and a block's steps only on them and the
+    /// block length: computed once per batch (and block length), not per request.
     fn predict_batch(
         &self,
         requests: &[RequestView],
@@ -240,9 +249,18 @@ impl StepPredictor for MeanRatePredictor {
         for (rate, &tau) in rates.iter_mut().zip(thresholds) {
             *rate = self.rate(tau);
         }
+        let mut per_block = [0.0; MAX_THRESHOLDS];
+        let per_block = &mut per_block[..k];
+        let mut block = None;
         for (request, row) in requests.iter().zip(out.chunks_exact_mut(k)) {
-            for (slot, &rate) in row.iter_mut().zip(rates.iter()) {
-                *slot = Self::steps_left(request, rate);
+            if block != Some(request.block_length) {
+                block = Some(request.block_length);
+                for (steps, &rate) in per_block.iter_mut().zip(rates.iter()) {
+                    *steps = Self::block_steps(request.block_length, rate);
+                }
+            }
+            for ((slot, &rate), &steps) in row.iter_mut().zip(rates.iter()).zip(per_block.iter()) {
+                *slot = Self::steps_left(request, rate, steps);
             }
         }
         Ok(())
@@ -332,8 +350,20 @@ mod tests {
     #[test]
     fn batches_predict_what_requests_one_by_one_do() {
         let p = MeanRatePredictor::default();
+        // Block lengths change within the batch: 32, 32, 16, 32, ...
         let views: Vec<RequestView> = (0..4)
-            .flat_map(|block| [(0, true), (7, false), (31, false)].map(|(i, r)| view(i, block, r)))
+            .flat_map(|block| [(0, true), (7, false), (15, false)].map(|(i, r)| view(i, block, r)))
+            .enumerate()
+            .map(|(n, v)| {
+                if n % 3 == 2 {
+                    RequestView {
+                        block_length: 16,
+                        ..v
+                    }
+                } else {
+                    v
+                }
+            })
             .collect();
         // Within the stack-sized batch path and past it.
         for k in [1, 6, MAX_THRESHOLDS + 3] {
