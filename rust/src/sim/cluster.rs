@@ -9,7 +9,7 @@ use rand::rngs::SmallRng;
 use rand::SeedableRng;
 
 use super::outcome::{RequestOutcome, SimResult, SimStats};
-use super::progress::ProgressModel;
+use super::progress::{Draws, ProgressModel};
 use super::reconfig::Reconfig;
 use super::{SimError, SimOptions, SimRequest};
 use crate::id_map::IdMap;
@@ -17,7 +17,7 @@ use crate::planner::Arrival;
 use crate::profile::StepKind;
 use crate::scheduler::{
     DegreeCosts, FinishedRequest, InstanceSpec, RequestSpec, SchedError, Scheduler, StepResult,
-    ThresholdReason,
+    ThresholdPolicy, ThresholdReason,
 };
 
 /// A simulated time as a heap key (times are finite: checked on input).
@@ -73,7 +73,7 @@ pub(super) struct Simulation<'a> {
     /// Request indices by arrival time, and how many have arrived.
     order: Vec<u32>,
     arrived: usize,
-    progress: &'a ProgressModel,
+    progress: Draws<'a>,
     quantum: f64,
     rng: SmallRng,
     costs: IdMap<u32, DegreeCosts>,
@@ -146,12 +146,17 @@ impl<'a> Simulation<'a> {
             .as_ref()
             .map(|o| Reconfig::new(o.clone()))
             .transpose()?;
+        // The thresholds steps can run at: the candidates, or a fixed policy's.
+        let mut taus = sched.config().thresholds.clone();
+        if let ThresholdPolicy::Fixed(tau) = sched.config().policy.threshold {
+            taus.push(tau);
+        }
         let mut sim = Self {
+            progress: Draws::new(progress, &taus),
             sched,
             requests,
             order,
             arrived: 0,
-            progress,
             quantum: options.round_quantum_s,
             rng: SmallRng::seed_from_u64(options.seed),
             costs: IdMap::default(),

@@ -116,16 +116,45 @@ impl ProgressModel {
         block_length: u32,
         rng: &mut SmallRng,
     ) -> u32 {
-        let left = block_length.saturating_sub(unmasked_in_block).max(1);
-        let table = &self.commits[self.nearest(tau)];
+        let t = self.nearest(tau);
+        let bucket = self.bucket(t, unmasked_in_block, block_length);
+        let recorded = self.recorded_near(t, bucket);
+        self.draw(
+            &self.commits[t][recorded],
+            unmasked_in_block,
+            block_length,
+            rng,
+        )
+    }
+
+    /// Bucket of a step at recorded threshold `t` that begins with `unmasked_in_block` of
+    /// `block_length` positions unmasked.
+    fn bucket(&self, t: usize, unmasked_in_block: u32, block_length: u32) -> usize {
+        let buckets = self.commits[t].len();
         let fraction = f64::from(unmasked_in_block) / f64::from(block_length.max(1));
-        let bucket = ((fraction * table.len() as f64) as usize).min(table.len() - 1);
-        // A fast threshold may jump over a bucket: its nearest recorded neighbour stands in.
-        let counts = (0..table.len())
+        ((fraction * buckets as f64) as usize).min(buckets - 1)
+    }
+
+    /// The bucket with records nearest `bucket` at recorded threshold `t` (a fast
+    /// threshold may jump over a bucket: its nearest recorded neighbour stands in).
+    fn recorded_near(&self, t: usize, bucket: usize) -> usize {
+        let table = &self.commits[t];
+        (0..table.len())
             .filter(|&b| !table[b].is_empty())
             .min_by_key(|&b| b.abs_diff(bucket))
-            .map(|b| &table[b])
-            .expect("validated: every threshold has a recorded step");
+            .expect("validated: every threshold has a recorded step")
+    }
+
+    /// One of the recorded `counts`, scaled to the block length and rounded
+    /// stochastically, within the block's room.
+    fn draw(
+        &self,
+        counts: &[f64],
+        unmasked_in_block: u32,
+        block_length: u32,
+        rng: &mut SmallRng,
+    ) -> u32 {
+        let left = block_length.saturating_sub(unmasked_in_block).max(1);
         let recorded = counts[rng.random_range(0..counts.len())];
         let scaled = recorded * f64::from(block_length) / f64::from(self.block_length);
         let whole = scaled.floor();
@@ -151,6 +180,63 @@ impl ProgressModel {
                 (t, sum / n as f64)
             })
             .collect()
+    }
+}
+
+/// [`ProgressModel::sample`] and [`ProgressModel::accuracy`] with their lookups done once
+/// for the thresholds a scheduler uses: the simulator draws for every request of every
+/// step. Same values and the same random draws.
+pub(crate) struct Draws<'a> {
+    model: &'a ProgressModel,
+    /// Per known threshold: its nearest recorded threshold and the accuracy at it.
+    known: Vec<(f64, usize, f64)>,
+    /// Per recorded threshold and bucket: the nearest bucket with records.
+    recorded: Vec<Vec<usize>>,
+}
+
+impl<'a> Draws<'a> {
+    pub fn new(model: &'a ProgressModel, taus: &[f64]) -> Self {
+        Self {
+            model,
+            known: taus
+                .iter()
+                .map(|&tau| (tau, model.nearest(tau), model.accuracy(tau)))
+                .collect(),
+            recorded: (0..model.commits.len())
+                .map(|t| {
+                    (0..model.commits[t].len())
+                        .map(|b| model.recorded_near(t, b))
+                        .collect()
+                })
+                .collect(),
+        }
+    }
+
+    fn known(&self, tau: f64) -> Option<&(f64, usize, f64)> {
+        self.known.iter().find(|k| k.0 == tau)
+    }
+
+    pub fn sample(
+        &self,
+        tau: f64,
+        unmasked_in_block: u32,
+        block_length: u32,
+        rng: &mut SmallRng,
+    ) -> u32 {
+        let m = self.model;
+        let t = self.known(tau).map_or_else(|| m.nearest(tau), |k| k.1);
+        let recorded = self.recorded[t][m.bucket(t, unmasked_in_block, block_length)];
+        m.draw(
+            &m.commits[t][recorded],
+            unmasked_in_block,
+            block_length,
+            rng,
+        )
+    }
+
+    pub fn accuracy(&self, tau: f64) -> f64 {
+        self.known(tau)
+            .map_or_else(|| self.model.accuracy(tau), |k| k.2)
     }
 }
 
@@ -208,6 +294,28 @@ mod tests {
         );
         // A block twice as long commits twice as many per step.
         assert_eq!(m.sample(0.5, 0, 16, &mut rng), 12);
+    }
+
+    #[test]
+    fn draws_match_the_model_draw_for_draw() {
+        let mut m = model();
+        m.commits[0][1].clear();
+        let draws = Draws::new(&m, &[0.5, 0.9]);
+        let (mut a, mut b) = (SmallRng::seed_from_u64(3), SmallRng::seed_from_u64(3));
+        // Known thresholds, one that is not (0.55), buckets with and without records.
+        for (i, tau) in [0.5, 0.9, 0.55, 0.5]
+            .into_iter()
+            .cycle()
+            .take(200)
+            .enumerate()
+        {
+            let (unmasked, block) = ((i % 8) as u32, if i % 3 == 0 { 16 } else { 8 });
+            assert_eq!(
+                draws.sample(tau, unmasked, block, &mut a),
+                m.sample(tau, unmasked, block, &mut b)
+            );
+            assert_eq!(draws.accuracy(tau), m.accuracy(tau));
+        }
     }
 
     #[test]
