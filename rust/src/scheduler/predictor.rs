@@ -86,14 +86,24 @@ pub trait StepPredictor: Send + Sync {
         thresholds: &[f64],
         out: &mut [StepsLeft],
     ) -> Result<(), PredictError> {
-        if thresholds.is_empty() {
-            return Ok(());
-        }
-        for (request, row) in requests.iter().zip(out.chunks_exact_mut(thresholds.len())) {
-            self.predict(request, thresholds, row)?;
-        }
-        Ok(())
+        predict_each(self, requests, thresholds, out)
     }
+}
+
+/// [`StepPredictor::predict_batch`] one request at a time.
+fn predict_each<P: StepPredictor + ?Sized>(
+    predictor: &P,
+    requests: &[RequestView],
+    thresholds: &[f64],
+    out: &mut [StepsLeft],
+) -> Result<(), PredictError> {
+    if thresholds.is_empty() {
+        return Ok(());
+    }
+    for (request, row) in requests.iter().zip(out.chunks_exact_mut(thresholds.len())) {
+        predictor.predict(request, thresholds, row)?;
+    }
+    Ok(())
 }
 
 /// The first prediction of `out` (laid out as [`StepPredictor::predict_batch`] fills it)
@@ -236,14 +246,8 @@ impl StepPredictor for MeanRatePredictor {
     ) -> Result<(), PredictError> {
         let k = thresholds.len();
         let mut rates = [0.0; MAX_THRESHOLDS];
-        if k == 0 {
-            return Ok(());
-        }
-        if k > rates.len() {
-            for (request, row) in requests.iter().zip(out.chunks_exact_mut(k)) {
-                self.predict(request, thresholds, row)?;
-            }
-            return Ok(());
+        if k == 0 || k > rates.len() {
+            return predict_each(self, requests, thresholds, out);
         }
         let rates = &mut rates[..k];
         for (rate, &tau) in rates.iter_mut().zip(thresholds) {
