@@ -7,7 +7,7 @@ Fast-dLLM's LLaDA-8B rates (DESIGN §9); accuracy per threshold: dilaserve-tiny'
 5 × each request's isolated latency at τ 0.9 on TP-1. Prints JSON lines; writes
 docs/sim16-rate.png and docs/sim16-slo.png.
 
-    python benches/sim.py [--quick] [--skip-scale]
+    python benches/sim.py [--quick] [--skip-scale | --scale-only]
 """
 
 from __future__ import annotations
@@ -195,9 +195,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--duration", type=float, default=300.0, help="simulated seconds per run")
     p.add_argument("--quick", action="store_true", help="fewer rates; 100k requests at scale")
-    p.add_argument("--skip-scale", action="store_true")
+    part = p.add_mutually_exclusive_group()
+    part.add_argument("--skip-scale", action="store_true", help="only the 16-GPU experiments")
+    part.add_argument("--scale-only", action="store_true", help="only the 1024-GPU run")
     args = p.parse_args()
-    paper_experiments(args)
+    if not args.scale_only:
+        paper_experiments(args)
     if not args.skip_scale:
         scale_experiment(args)
 

@@ -3,6 +3,8 @@
 
 from os import PathLike
 
+import numpy as np
+
 STEP_KINDS: tuple[str, ...]
 WAIT_REASONS: tuple[str, ...]
 THRESHOLD_REASONS: tuple[str, ...]
@@ -239,4 +241,4 @@ def simulate(
     seed: int = 0,
     round_quantum_s: float = 0.0,
     replan_json: str | None = None,
-) -> tuple[dict[str, list], dict[str, float]]: ...
+) -> tuple[dict[str, np.ndarray], dict[str, float]]: ...

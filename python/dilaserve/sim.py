@@ -175,17 +175,21 @@ class ClusterSetup:
     def slo_seconds(self, workload: Workload) -> np.ndarray:
         """`slo_scale` × each request's isolated latency (DESIGN §9)."""
         tps = float(np.interp(self.slo_tau, *zip(*self.rates(), strict=True)))
-        cache: dict[tuple[int, int], float] = {}
-        out = np.empty(len(workload))
-        for i, (p, o) in enumerate(zip(workload.prompt_len, workload.output_len, strict=True)):
-            key = (int(p), int(o))
-            if key not in cache:
-                alone = mean_isolated_latency(
-                    self.profile, [Arrival(0.0, *key)], tps, self.caching, self.block_length
+        # One isolated latency per distinct (prompt, output) pair, found through one int64
+        # key per request (a million requests have some ten thousand pairs).
+        keys = workload.prompt_len.astype(np.int64) << 32 | workload.output_len.astype(np.int64)
+        unique, which = np.unique(keys, return_inverse=True)
+        alone = np.array(
+            [
+                mean_isolated_latency(
+                    self.profile, [Arrival(0.0, int(k >> 32), int(k & 0xFFFFFFFF))], tps,
+                    self.caching, self.block_length,
                 )
-                cache[key] = self.slo_scale * alone
-            out[i] = cache[key]
-        return out
+                for k in unique
+            ],
+            dtype=np.float64,
+        )
+        return self.slo_scale * alone[which]
 
     def scheduler(self, policy: Policy) -> Scheduler:
         return Scheduler(
@@ -238,7 +242,7 @@ def place(degrees: Sequence[int], node_gpus: Sequence[int]) -> list[tuple[int, i
 
 @dataclass(frozen=True)
 class SimRun:
-    """One simulated run: per-request columns and the run's counters."""
+    """One simulated run: per-request columns (numpy arrays) and the run's counters."""
 
     policy: str
     rate: float
@@ -247,7 +251,7 @@ class SimRun:
     stats: dict
 
     def summary(self) -> Summary:
-        c = {k: np.asarray(v) for k, v in self.columns.items()}
+        c = self.columns
         answered = ~np.isnan(c["finish"])
         latency = (c["finish"] - c["arrival"])[answered]
         met = int(np.sum(answered & (c["finish"] <= c["deadline"])))

@@ -1,16 +1,19 @@
-//! Python view of the simulator: the workload and the results cross as columns (one list
-//! per field), the progress model and replanning options as JSON. The run keeps the GIL:
-//! the scheduler may call a predictor written in Python.
+//! Python view of the simulator: the workload and the results cross as columns (one
+//! sequence per field, numpy arrays on the way out), the progress model and replanning
+//! options as JSON. The run keeps the GIL: the scheduler may call a predictor written in
+//! Python.
 
 use pyo3::create_exception;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBytes, PyDict};
 
 use super::planner::to_py as planner_error;
 use super::scheduler::PyScheduler;
 use crate::scheduler::InstanceSpec;
-use crate::sim::{self, ProgressModel, ReplanOptions, SimError, SimOptions, SimRequest};
+use crate::sim::{
+    self, ProgressModel, ReplanOptions, RequestOutcome, SimError, SimOptions, SimRequest,
+};
 
 create_exception!(
     dilaserve._core,
@@ -85,38 +88,42 @@ fn simulate<'py>(
     let result = sim::simulate(&mut scheduler.inner, &specs, &requests, &progress, &options)
         .map_err(to_py)?;
 
-    let columns = PyDict::new(py);
+    // Columns cross as numpy arrays over little-endian bytes: a million requests' columns as
+    // Python lists would cost a float object per value.
     let o = &result.requests;
-    columns.set_item("arrival", o.iter().map(|r| r.arrival).collect::<Vec<_>>())?;
-    columns.set_item("deadline", o.iter().map(|r| r.deadline).collect::<Vec<_>>())?;
-    let finish = o.iter().map(|r| r.finish.unwrap_or(f64::NAN));
-    columns.set_item("finish", finish.collect::<Vec<_>>())?;
-    columns.set_item("rejected", o.iter().map(|r| r.rejected).collect::<Vec<_>>())?;
-    columns.set_item("steps", o.iter().map(|r| r.steps).collect::<Vec<_>>())?;
-    let recompute = o.iter().map(|r| r.recompute_steps);
-    columns.set_item("recompute_steps", recompute.collect::<Vec<_>>())?;
-    columns.set_item("mean_tau", o.iter().map(|r| r.mean_tau).collect::<Vec<_>>())?;
-    columns.set_item("min_tau", o.iter().map(|r| r.min_tau).collect::<Vec<_>>())?;
+    let frombuffer = py.import("numpy")?.getattr("frombuffer")?;
+    let array = |dtype: &str, bytes: Vec<u8>| frombuffer.call1((PyBytes::new(py, &bytes), dtype));
+    let f64s = |value: fn(&RequestOutcome) -> f64| {
+        array(
+            "<f8",
+            o.iter().flat_map(|r| value(r).to_le_bytes()).collect(),
+        )
+    };
+    let u32s = |value: fn(&RequestOutcome) -> u32| {
+        array(
+            "<u4",
+            o.iter().flat_map(|r| value(r).to_le_bytes()).collect(),
+        )
+    };
+    let columns = PyDict::new(py);
+    columns.set_item("arrival", f64s(|r| r.arrival)?)?;
+    columns.set_item("deadline", f64s(|r| r.deadline)?)?;
+    columns.set_item("finish", f64s(|r| r.finish.unwrap_or(f64::NAN))?)?;
     columns.set_item(
-        "migrations",
-        o.iter().map(|r| r.migrations).collect::<Vec<_>>(),
+        "rejected",
+        array("?", o.iter().map(|r| u8::from(r.rejected)).collect())?,
     )?;
-    columns.set_item(
-        "instances",
-        o.iter().map(|r| r.instances).collect::<Vec<_>>(),
-    )?;
-    columns.set_item("queue_s", o.iter().map(|r| r.queue_s).collect::<Vec<_>>())?;
-    columns.set_item("accuracy", o.iter().map(|r| r.accuracy).collect::<Vec<_>>())?;
-    let capped = o.iter().map(|r| r.capped_steps);
-    columns.set_item("capped_steps", capped.collect::<Vec<_>>())?;
-    columns.set_item(
-        "late_steps",
-        o.iter().map(|r| r.late_steps).collect::<Vec<_>>(),
-    )?;
-    columns.set_item(
-        "min_cap_tau",
-        o.iter().map(|r| r.min_cap_tau).collect::<Vec<_>>(),
-    )?;
+    columns.set_item("steps", u32s(|r| r.steps)?)?;
+    columns.set_item("recompute_steps", u32s(|r| r.recompute_steps)?)?;
+    columns.set_item("mean_tau", f64s(|r| r.mean_tau)?)?;
+    columns.set_item("min_tau", f64s(|r| r.min_tau)?)?;
+    columns.set_item("migrations", u32s(|r| r.migrations)?)?;
+    columns.set_item("instances", u32s(|r| r.instances)?)?;
+    columns.set_item("queue_s", f64s(|r| r.queue_s)?)?;
+    columns.set_item("accuracy", f64s(|r| r.accuracy)?)?;
+    columns.set_item("capped_steps", u32s(|r| r.capped_steps)?)?;
+    columns.set_item("late_steps", u32s(|r| r.late_steps)?)?;
+    columns.set_item("min_cap_tau", f64s(|r| r.min_cap_tau)?)?;
 
     let s = &result.stats;
     let stats = PyDict::new(py);
