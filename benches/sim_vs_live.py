@@ -1,7 +1,8 @@
 """The simulator against the live system: dilaserve-tiny on this machine (two TP-1
 instances), the same latency profile (measured once by `dilaserve profile` and given to the
-server with `--profile`), the progress model recorded from the same model (its shipped
-`progress.json`), its LightGBM step predictor, the same arrivals, prompts, output lengths
+server with `--profile`), progress recorded from the same model (`dilaserve predictor
+collect` at the served thresholds, one progress model per task of its suite: an `add`
+answer takes one step per block, a `draw` several), its LightGBM step predictor, the same arrivals, prompts, output lengths
 and deadlines (SLO = 5 × each task's isolated latency at τ 0.9, measured live), and the
 same quality floor. Every live and simulated summary is printed as a JSON line, then per
 policy and rate the differences, and the worst over all of them:
@@ -28,6 +29,7 @@ from dilaserve.bench.workload import Arrival
 from dilaserve.engine.config import DEFAULT_THRESHOLDS
 from dilaserve.engine.quality import quality_floor
 from dilaserve.models import encode_prompt, load_tokenizer
+from dilaserve.predictor import collect as traces
 from dilaserve.predictor import progress as progress_model
 from dilaserve.scheduler import LatencyProfile
 from dilaserve.sim import ClusterSetup, Workload, simulate
@@ -56,14 +58,32 @@ def measure_profile(path: Path) -> Path:
     return path
 
 
+def task_progress(thresholds: tuple[float, ...], shipped: dict, path: Path) -> dict[str, dict]:
+    """Per-task progress models of dilaserve-tiny, recorded by `dilaserve predictor collect`
+    at `thresholds` (the accuracy per threshold: the shipped model's)."""
+    subprocess.run(
+        [
+            *(sys.executable, "-m", "dilaserve", "predictor", "collect", "--out", str(path)),
+            *("--n", "200", "--switched-runs", "0", "--block-length", str(BLOCK), "--quiet"),
+            *("--thresholds", ",".join(map(str, thresholds))),
+        ],
+        check=True,
+    )
+    accuracy = {
+        t: float(np.interp(t, shipped["thresholds"], shipped["accuracy"])) for t in thresholds
+    }
+    return progress_model.progress_by_class(traces.load(path), accuracy, model="dilaserve-tiny")
+
+
 def workload_of(arrivals: list[Arrival], duration_s: float, tokenizer) -> Workload:
-    """The live run's requests as the simulator takes them: arrival time, prompt tokens
-    and the output positions the client asks for."""
+    """The live run's requests as the simulator takes them: arrival time, prompt tokens,
+    the output positions the client asks for, and the task."""
     return Workload(
         np.asarray([a.time for a in arrivals], dtype=np.float64),
         np.asarray([len(encode_prompt(tokenizer, a.problem.prompt)) for a in arrivals], np.uint32),
         np.asarray([gen_length(a.problem, BLOCK) for a in arrivals], dtype=np.uint32),
         duration_s,
+        progress_class=[a.problem.task for a in arrivals],
     )
 
 
@@ -85,12 +105,16 @@ def main() -> None:
         )
         live, slo = run_sweep(spec, on_summary=lambda s: print(json.dumps(s.to_dict())))
         profile = LatencyProfile.load(str(profile_path))
+        shipped = progress_model.load(model_dir / "progress.json")
+        thresholds = quality_floor(DEFAULT_THRESHOLDS, model_dir, 0.03)
+        by_task = task_progress(thresholds, shipped, Path(tmp) / "traces.parquet")
     setup = ClusterSetup(
         profile=profile,
-        progress=progress_model.load(model_dir / "progress.json"),
+        progress=shipped,
+        class_progress=by_task,
         node_gpus=(2,),
         layout=(1, 1),
-        thresholds=quality_floor(DEFAULT_THRESHOLDS, model_dir, 0.03),
+        thresholds=thresholds,
         block_length=BLOCK,
         predictor_model=str(model_dir / "predictor.txt"),
         replan_interval_s=None,

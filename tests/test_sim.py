@@ -53,6 +53,39 @@ def test_progress_model_from_recorded_decoding() -> None:
         progress_model.check(bad)
 
 
+def test_each_request_draws_from_its_own_task_progress(setup: ClusterSetup) -> None:
+    # dilaserve-tiny answers `add` in one step per block and `draw` in several: with
+    # progress per task, the simulated requests of each task take their own steps.
+    by_task = progress_model.progress_by_class(pq.read_table(TRACES), ACCURACY)
+    assert sorted(by_task) == ["add", "draw", "rep", "tr"]
+    rates = {task: dict(progress_model.mean_rates(m))[0.9] for task, m in by_task.items()}
+    assert rates["add"] > 3 * rates["draw"]
+    n = 40
+    tasks = ["add", "draw"] * (n // 2)
+    workload = Workload(
+        np.arange(n, dtype=np.float64),
+        np.full(n, 32, dtype=np.uint32),
+        np.full(n, 64, dtype=np.uint32),
+        float(n),
+        progress_class=tasks,
+    )
+    with_tasks = dataclasses.replace(setup, class_progress=by_task, thresholds=(0.9,))
+    steps = simulate(with_tasks, "infaas", workload, 1.0).columns["steps"]
+    add = steps[[t == "add" for t in tasks]]
+    draw = steps[[t == "draw" for t in tasks]]
+    assert add.mean() < draw.mean() / 2
+    # A class without a model, or no classes at all, draws from the pooled model.
+    unknown = dataclasses.replace(workload, progress_class=["other"] * n)
+    np.testing.assert_array_equal(
+        simulate(with_tasks, "infaas", unknown, 1.0).columns["steps"],
+        simulate(dataclasses.replace(setup, thresholds=(0.9,)), "infaas", workload, 1.0).columns[
+            "steps"
+        ],
+    )
+    with pytest.raises(ValueError, match="classes for"):
+        simulate(with_tasks, "infaas", dataclasses.replace(workload, progress_class=["add"]), 1.0)
+
+
 def test_policies_run_on_the_live_scheduler_in_simulated_time(setup: ClusterSetup) -> None:
     light = Workload.synthetic("poisson", 1.0, 60.0, LENGTHS, seed=1)
     heavy = Workload.synthetic("poisson", 24.0, 60.0, LENGTHS, seed=1)

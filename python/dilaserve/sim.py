@@ -12,8 +12,8 @@ import dataclasses
 import json
 import math
 import random
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -68,12 +68,15 @@ def policy_named(name: str) -> Policy:
 
 @dataclass(frozen=True)
 class Workload:
-    """Requests to simulate: arrival seconds and token counts, one entry per request."""
+    """Requests to simulate: arrival seconds and token counts, one entry per request, and
+    optionally each one's kind (a task name, say), whose progress model
+    `ClusterSetup.class_progress` may give."""
 
     arrival: np.ndarray
     prompt_len: np.ndarray
     output_len: np.ndarray
     duration_s: float
+    progress_class: Sequence[str] | None = None
 
     def __len__(self) -> int:
         return len(self.arrival)
@@ -154,6 +157,9 @@ class ClusterSetup:
     caching: bool = True
     max_batch_tokens: int = 8192
     max_queued: int | None = None
+    #: Progress models of workload classes (`Workload.progress_class`); a request of
+    #: another class, or of none, draws from `progress`.
+    class_progress: Mapping[str, dict] = field(default_factory=dict)
     #: LightGBM predictor of the model (`predictor.txt`); None: the progress model's rates.
     predictor_model: str | None = None
     #: Simulated seconds between replans of the layout-adapting policies; None: never.
@@ -292,6 +298,7 @@ def simulate(
     if adapts and setup.replan_interval_s:
         replan = setup.replan_json(float(np.mean(slo)) if len(slo) else 1.0)
     scheduler = setup.scheduler(policy_named(policy))
+    models, classes = progress_classes(setup, workload)
     columns, stats = _core.simulate(
         scheduler._core,
         place(degrees, setup.node_gpus),
@@ -299,9 +306,23 @@ def simulate(
         workload.prompt_len.tolist(),
         workload.output_len.tolist(),
         slo.tolist(),
-        json.dumps(setup.progress),
+        json.dumps(models),
+        progress_class=classes,
         seed=setup.seed,
         round_quantum_s=setup.round_quantum_s,
         replan_json=replan,
     )
     return SimRun(policy, rate, workload.duration_s, columns, stats)
+
+
+def progress_classes(setup: ClusterSetup, workload: Workload) -> tuple[list[dict], list[int] | None]:
+    """The progress models the core draws from (`setup.progress` first) and each request's
+    index into them (None: every request the first)."""
+    if workload.progress_class is None or not setup.class_progress:
+        return [setup.progress], None
+    if len(workload.progress_class) != len(workload):
+        raise ValueError(f"{len(workload.progress_class)} classes for {len(workload)} requests")
+    names = sorted(setup.class_progress)
+    index = {name: i + 1 for i, name in enumerate(names)}
+    models = [setup.progress, *(setup.class_progress[name] for name in names)]
+    return models, [index.get(c, 0) for c in workload.progress_class]

@@ -66,6 +66,26 @@ def progress_model(
     }
 
 
+def progress_by_class(
+    traces: pa.Table,
+    accuracy: Mapping[float, float],
+    *,
+    column: str = "task",
+    model: str = "",
+    buckets: int = BUCKETS,
+) -> dict[str, dict]:
+    """One progress model per value of `column` (the prompt's task in `collect` traces):
+    kinds of request decode at different speeds on one model, and the simulator can draw
+    each request's steps from its own kind (`ClusterSetup.class_progress`)."""
+    values = traces.column(column).to_numpy(zero_copy_only=False)
+    return {
+        str(name): progress_model(
+            traces.filter(pa.array(values == name)), accuracy, model=model, buckets=buckets
+        )
+        for name in np.unique(values)
+    }
+
+
 def rescaled(progress: dict, rates: Sequence[tuple[float, float]]) -> dict:
     """Another model's published speeds on this model's recorded variability: at each
     recorded threshold, every step's count pooled into one bucket (the per-block shape of

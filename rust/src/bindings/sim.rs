@@ -36,12 +36,14 @@ fn check_progress_json(text: &str) -> PyResult<String> {
     Ok(ProgressModel::from_json(text).map_err(to_py)?.to_json())
 }
 
-/// Runs a workload through `scheduler` (fresh) on `instances` (`(id, tp, gpus, node)`).
-/// Returns `(columns, stats)`: per-request lists in the workload's order, and run counters.
+/// Runs a workload through `scheduler` (fresh) on `instances` (`(id, tp, gpus, node)`);
+/// `progress_json` is a list of progress models and `progress_class` each request's index
+/// into it (default: all the first). Returns `(columns, stats)`: per-request arrays in the
+/// workload's order, and run counters.
 #[pyfunction]
 #[pyo3(signature = (
     scheduler, instances, arrival, prompt_len, output_len, slo_s, progress_json, *,
-    seed=0, round_quantum_s=0.0, replan_json=None,
+    progress_class=None, seed=0, round_quantum_s=0.0, replan_json=None,
 ))]
 #[allow(clippy::too_many_arguments)]
 fn simulate<'py>(
@@ -53,14 +55,16 @@ fn simulate<'py>(
     output_len: Vec<u32>,
     slo_s: Vec<f64>,
     progress_json: &str,
+    progress_class: Option<Vec<u32>>,
     seed: u64,
     round_quantum_s: f64,
     replan_json: Option<&str>,
 ) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyDict>)> {
     let n = arrival.len();
-    if [prompt_len.len(), output_len.len(), slo_s.len()] != [n, n, n] {
+    let class = progress_class.unwrap_or_else(|| vec![0; n]);
+    if [prompt_len.len(), output_len.len(), slo_s.len(), class.len()] != [n; 4] {
         return Err(SimInputError::new_err(
-            "arrival, prompt_len, output_len and slo_s must have the same length",
+            "arrival, prompt_len, output_len, slo_s and progress_class must have the same length",
         ));
     }
     let requests: Vec<SimRequest> = (0..n)
@@ -69,9 +73,10 @@ fn simulate<'py>(
             prompt_len: prompt_len[i],
             output_len: output_len[i],
             slo_s: slo_s[i],
+            class: class[i],
         })
         .collect();
-    let progress = ProgressModel::from_json(progress_json).map_err(to_py)?;
+    let progress = ProgressModel::list_from_json(progress_json).map_err(to_py)?;
     let replan: Option<ReplanOptions> = replan_json
         .map(serde_json::from_str)
         .transpose()

@@ -73,7 +73,8 @@ pub(super) struct Simulation<'a> {
     /// Request indices by arrival time, and how many have arrived.
     order: Vec<u32>,
     arrived: usize,
-    progress: Draws<'a>,
+    /// One per progress class.
+    progress: Vec<Draws<'a>>,
     quantum: f64,
     rng: SmallRng,
     costs: IdMap<u32, DegreeCosts>,
@@ -91,9 +92,12 @@ impl<'a> Simulation<'a> {
         sched: &'a mut Scheduler,
         instances: &[InstanceSpec],
         requests: &'a [SimRequest],
-        progress: &'a ProgressModel,
+        progress: &'a [ProgressModel],
         options: &SimOptions,
     ) -> Result<Self, SimError> {
+        if progress.is_empty() {
+            return Err(SimError::Progress("no progress model".into()));
+        }
         if sched.active_requests() > 0 || !sched.instance_ids().is_empty() {
             return Err(SimError::Cluster(
                 "the scheduler must be fresh: no instances, no requests".into(),
@@ -119,6 +123,13 @@ impl<'a> Simulation<'a> {
                 return Err(SimError::Workload(format!(
                     "request {i}: SLO must be positive and finite, got {}",
                     r.slo_s
+                )));
+            }
+            if r.class as usize >= progress.len() {
+                return Err(SimError::Workload(format!(
+                    "request {i}: progress class {} of {} models",
+                    r.class,
+                    progress.len()
                 )));
             }
         }
@@ -152,7 +163,7 @@ impl<'a> Simulation<'a> {
             taus.push(tau);
         }
         let mut sim = Self {
-            progress: Draws::new(progress, &taus),
+            progress: progress.iter().map(|m| Draws::new(m, &taus)).collect(),
             sched,
             requests,
             order,
@@ -308,7 +319,8 @@ impl<'a> Simulation<'a> {
         let block_length = self.sched.config().block_length;
         self.results.clear();
         for part in inst.step.drain(..) {
-            let committed = self.progress.sample(
+            let draws = &self.progress[self.requests[part.request as usize].class as usize];
+            let committed = draws.sample(
                 part.tau,
                 part.unmasked_in_block,
                 block_length,
@@ -317,7 +329,7 @@ impl<'a> Simulation<'a> {
             let t = &mut self.tally[part.request as usize];
             let c = f64::from(committed);
             t.tokens += c;
-            t.accuracy_tokens += self.progress.accuracy(part.tau) * c;
+            t.accuracy_tokens += draws.accuracy(part.tau) * c;
             self.results.push(StepResult::new(part.request, committed));
         }
         let step_s = inst.step_s;

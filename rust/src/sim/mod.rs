@@ -26,6 +26,9 @@ pub struct SimRequest {
     pub output_len: u32,
     /// Latency objective: the deadline is `arrival + slo_s`.
     pub slo_s: f64,
+    /// Which of the progress models given to [`simulate`] its steps draw from: requests of
+    /// different kinds (tasks) decode at different speeds on the same model.
+    pub class: u32,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -49,12 +52,13 @@ impl Default for SimOptions {
 }
 
 /// Runs `requests` (any order) through `scheduler`, a fresh scheduler with no instances
-/// or requests, on a cluster starting with `instances`.
+/// or requests, on a cluster starting with `instances`; a request's steps commit what
+/// `progress[request.class]` draws.
 pub fn simulate(
     scheduler: &mut Scheduler,
     instances: &[InstanceSpec],
     requests: &[SimRequest],
-    progress: &ProgressModel,
+    progress: &[ProgressModel],
     options: &SimOptions,
 ) -> Result<SimResult, SimError> {
     cluster::Simulation::new(scheduler, instances, requests, progress, options)?.run()

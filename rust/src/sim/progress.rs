@@ -33,6 +33,13 @@ impl ProgressModel {
         model.validated()
     }
 
+    /// A JSON list of progress models (one per workload class), each checked.
+    pub fn list_from_json(text: &str) -> Result<Vec<Self>, SimError> {
+        let models: Vec<Self> = serde_json::from_str(text)
+            .map_err(|e| SimError::Progress(format!("not a list of progress models: {e}")))?;
+        models.into_iter().map(Self::validated).collect()
+    }
+
     pub fn to_json(&self) -> String {
         serde_json::to_string(self).expect("a progress model serializes")
     }

@@ -67,6 +67,7 @@ fn poisson(rate: f64, n: usize, slo_s: f64) -> Vec<SimRequest> {
                 prompt_len: 64 + (i as u32 % 5) * 32,
                 output_len: 128,
                 slo_s,
+                class: 0,
             }
         })
         .collect()
@@ -83,7 +84,7 @@ fn run(policy: Policy, instances: &[InstanceSpec], requests: &[SimRequest]) -> S
         &mut scheduler(policy),
         instances,
         requests,
-        &progress(),
+        &[progress()],
         &SimOptions::default(),
     )
     .unwrap()
@@ -126,7 +127,7 @@ fn the_same_seed_gives_the_same_run_and_another_seed_differs() {
             &mut scheduler(Policy::dilaserve()),
             &tp1(2),
             &requests,
-            &progress(),
+            &[progress()],
             &SimOptions {
                 seed,
                 ..Default::default()
@@ -170,7 +171,7 @@ fn admission_rejections_are_outcomes_not_errors() {
         &mut sched,
         &tp1(1),
         &requests,
-        &progress(),
+        &[progress()],
         &SimOptions::default(),
     )
     .unwrap();
@@ -187,15 +188,61 @@ fn bad_inputs_are_typed_errors() {
         &mut scheduler(Policy::dilaserve()),
         &tp1(1),
         &bad,
-        &progress(),
+        &[progress()],
         &SimOptions::default(),
     );
     assert!(matches!(r, Err(SimError::Workload(_))));
     let mut used = scheduler(Policy::dilaserve());
     used.add_instance(InstanceSpec::new(9, 1, vec![0], 0))
         .unwrap();
-    let r = simulate(&mut used, &tp1(1), &[], &progress(), &SimOptions::default());
+    let r = simulate(
+        &mut used,
+        &tp1(1),
+        &[],
+        &[progress()],
+        &SimOptions::default(),
+    );
     assert!(matches!(r, Err(SimError::Cluster(_))));
+    let mut unknown_class = poisson(1.0, 3, 1.0);
+    unknown_class[2].class = 1;
+    let r = simulate(
+        &mut scheduler(Policy::dilaserve()),
+        &tp1(1),
+        &unknown_class,
+        &[progress()],
+        &SimOptions::default(),
+    );
+    assert!(matches!(r, Err(SimError::Workload(_))));
+}
+
+#[test]
+fn each_request_draws_from_its_own_class() {
+    // Class 1 commits a whole block per step: its requests take one step per block, while
+    // class 0's take several, in the same run.
+    let whole_block = ProgressModel {
+        commits: vec![vec![vec![32.0]]; 3],
+        ..progress()
+    };
+    let mut requests = poisson(2.0, 40, 10.0);
+    for (i, r) in requests.iter_mut().enumerate() {
+        r.class = (i % 2) as u32;
+    }
+    let r = simulate(
+        &mut scheduler(Policy::infaas_like(0.9)),
+        &tp1(1),
+        &requests,
+        &[progress(), whole_block],
+        &SimOptions::default(),
+    )
+    .unwrap();
+    for (o, q) in r.requests.iter().zip(&requests) {
+        let blocks = q.output_len / 32;
+        if q.class == 1 {
+            assert_eq!(o.steps, blocks);
+        } else {
+            assert!(o.steps >= 8 * blocks, "{} steps", o.steps);
+        }
+    }
 }
 
 #[test]
@@ -223,7 +270,7 @@ fn replanning_grows_a_cluster_that_cannot_keep_up() {
         ..Default::default()
     };
     let mut sched = scheduler(Policy::dilaserve());
-    let r = simulate(&mut sched, &tp1(1), &requests, &progress(), &options).unwrap();
+    let r = simulate(&mut sched, &tp1(1), &requests, &[progress()], &options).unwrap();
     assert!(
         r.stats.replans >= 1 && r.stats.plans_adopted >= 1,
         "{:?}",
