@@ -1,11 +1,12 @@
 """The simulator against the live system: dilaserve-tiny on this machine (two TP-1
 instances), the same latency profile (measured once by `dilaserve profile` and given to the
-server with `--profile`), progress recorded from the same model (`dilaserve predictor
-collect` at the served thresholds, one progress model per task of its suite: an `add`
-answer takes one step per block, a `draw` several), its LightGBM step predictor, the same arrivals, prompts, output lengths
-and deadlines (SLO = 5 × each task's isolated latency at τ 0.9, measured live), and the
-same quality floor. Every live and simulated summary is printed as a JSON line, then per
-policy and rate the differences, and the worst over all of them:
+server with `--profile`), the engine's time per step around the worker's (measured live at
+light load), progress recorded from the same model (`dilaserve predictor collect` at the
+served thresholds, one progress model per task of its suite: an `add` answer takes one step
+per block, a `draw` several), its LightGBM step predictor, the same arrivals, prompts,
+output lengths and deadlines (SLO = 5 × each task's isolated latency at τ 0.9, measured
+live), and the same quality floor. Every live and simulated summary is printed as a JSON
+line, then per policy and rate the differences, and the worst over all of them:
 
 - `sim_vs_live_attainment_abs_diff_pp`: |simulated − live| SLO attainment, points;
 - `sim_vs_live_mean_latency_rel_diff`: |simulated − live| / live mean latency.
@@ -16,15 +17,19 @@ policy and rate the differences, and the worst over all of them:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import aiohttp
 import numpy as np
 
 from dilaserve.bench import SweepSpec, run_sweep
+from dilaserve.bench.client import Client
+from dilaserve.bench.sweep import spawned_server
 from dilaserve.bench.workload import Arrival
 from dilaserve.engine.config import DEFAULT_THRESHOLDS
 from dilaserve.engine.quality import quality_floor
@@ -58,6 +63,21 @@ def measure_profile(path: Path) -> Path:
     return path
 
 
+def step_overhead(serve_args: list[str]) -> float:
+    """Seconds the live engine spends per step besides the worker's own step (dispatch,
+    transport, result handling: `/v1/cluster`'s `step_times`), over requests sent one at a
+    time to a server of its own."""
+
+    async def measure(url: str) -> dict:
+        await Client(url).isolated_latency()
+        async with aiohttp.ClientSession() as session, session.get(f"{url}/v1/cluster") as r:
+            return (await r.json())["step_times"]
+
+    with spawned_server("dilaserve", serve_args) as url:
+        t = asyncio.run(measure(url))
+    return (t["round_trip_s"] - t["worker_s"] + t["dispatch_gap_s"]) / t["steps"]
+
+
 def task_progress(thresholds: tuple[float, ...], shipped: dict, path: Path) -> dict[str, dict]:
     """Per-task progress models of dilaserve-tiny, recorded by `dilaserve predictor collect`
     at `thresholds` (the accuracy per threshold: the shipped model's)."""
@@ -89,7 +109,7 @@ def workload_of(arrivals: list[Arrival], duration_s: float, tokenizer) -> Worklo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rates", default="8,16,32,48")
+    parser.add_argument("--rates", default="8,16,24,32")
     parser.add_argument("--duration", type=float, default=20.0, help="seconds per rate")
     parser.add_argument("--policies", default="dilaserve,infaas")
     parser.add_argument("--profile", help="use this profile instead of measuring one")
@@ -103,6 +123,8 @@ def main() -> None:
             duration_s=args.duration,
             serve_args=["--instances", "2x1", "--profile", str(profile_path)],
         )
+        overhead_s = step_overhead(list(spec.serve_args))
+        print(json.dumps({"step_overhead_ms": round(1e3 * overhead_s, 3)}), flush=True)
         live, slo = run_sweep(spec, on_summary=lambda s: print(json.dumps(s.to_dict())))
         profile = LatencyProfile.load(str(profile_path))
         shipped = progress_model.load(model_dir / "progress.json")
@@ -118,6 +140,7 @@ def main() -> None:
         block_length=BLOCK,
         predictor_model=str(model_dir / "predictor.txt"),
         replan_interval_s=None,
+        step_overhead_s=overhead_s,
     )
     tokenizer = load_tokenizer(model_dir)
     worst_attainment = worst_latency = 0.0

@@ -238,7 +238,9 @@ def simulate(
     slo_s: list[float],
     progress_json: str,
     *,
+    progress_class: list[int] | None = None,
     seed: int = 0,
     round_quantum_s: float = 0.0,
+    step_overhead_s: float = 0.0,
     replan_json: str | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, float]]: ...

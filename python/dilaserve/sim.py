@@ -168,6 +168,9 @@ class ClusterSetup:
     launch_s: float = 30.0
     planner_degrees: tuple[int, ...] = (1, 2, 4)
     round_quantum_s: float = 0.0
+    #: Seconds each step costs besides the profiled worker execution: the engine's
+    #: dispatch and transport around it (`/v1/cluster`'s `step_times` measures it live).
+    step_overhead_s: float = 0.0
     seed: int = 0
 
     def rates(self) -> list[tuple[float, float]]:
@@ -188,8 +191,11 @@ class ClusterSetup:
         alone = np.array(
             [
                 mean_isolated_latency(
-                    self.profile, [Arrival(0.0, int(k >> 32), int(k & 0xFFFFFFFF))], tps,
-                    self.caching, self.block_length,
+                    self.profile,
+                    [Arrival(0.0, int(k >> 32), int(k & 0xFFFFFFFF))],
+                    tps,
+                    self.caching,
+                    self.block_length,
                 )
                 for k in unique
             ],
@@ -310,12 +316,15 @@ def simulate(
         progress_class=classes,
         seed=setup.seed,
         round_quantum_s=setup.round_quantum_s,
+        step_overhead_s=setup.step_overhead_s,
         replan_json=replan,
     )
     return SimRun(policy, rate, workload.duration_s, columns, stats)
 
 
-def progress_classes(setup: ClusterSetup, workload: Workload) -> tuple[list[dict], list[int] | None]:
+def progress_classes(
+    setup: ClusterSetup, workload: Workload
+) -> tuple[list[dict], list[int] | None]:
     """The progress models the core draws from (`setup.progress` first) and each request's
     index into them (None: every request the first)."""
     if workload.progress_class is None or not setup.class_progress:

@@ -202,3 +202,6 @@ def test_cluster_and_metrics(server):
     cluster = json.loads(text)
     assert status == 200 and [i["tp"] for i in cluster["instances"]] == [1, 1]
     assert all(i["state"] == "serving" for i in cluster["instances"])
+    times = cluster["step_times"]
+    assert times["steps"] > 0 and times["round_trip_s"] >= times["worker_s"] > 0
+    assert times["predicted_s"] > 0

@@ -60,6 +60,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--slo-scale", type=float, default=5.0, help="SLO = scale x isolated latency")
     p.add_argument(
+        "--step-overhead-ms",
+        type=float,
+        default=0.0,
+        help="engine time per step besides the profiled worker step (/v1/cluster step_times)",
+    )
+    p.add_argument(
         "--replan-interval",
         type=float,
         default=300.0,
@@ -86,6 +92,7 @@ def setup_from(args: argparse.Namespace) -> ClusterSetup:
         node_gpus=(args.gpus_per_node,) * args.nodes,
         layout=layout,
         slo_scale=args.slo_scale,
+        step_overhead_s=args.step_overhead_ms / 1e3,
         replan_interval_s=args.replan_interval or None,
         seed=args.seed,
     )

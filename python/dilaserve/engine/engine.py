@@ -490,6 +490,7 @@ class Engine:
         times.steps += 1
         times.worker_s += report.seconds
         times.round_trip_s += measured
+        times.predicted_s += step.predicted_s
         for req in stepped:
             if req.id in finished:
                 self._requests.pop(req.id)
@@ -541,7 +542,8 @@ class Engine:
                 self.instances[m.from_instance].release.append(m.request)
                 req.home = None
         for batch in decisions.batches:
-            self._dispatch(self.instances[batch.instance], batch.entries, now)
+            inst = self.instances[batch.instance]
+            self._dispatch(inst, batch.entries, now, batch.predicted_finish - now)
         for instance_id in self.scheduler.drained_instances():
             inst = self.instances.get(instance_id)
             if inst is not None and inst.stopping and not inst.shutdown_sent:
@@ -549,7 +551,9 @@ class Engine:
                 inst.shutdown_sent = True
                 self._send(inst, Shutdown())
 
-    def _dispatch(self, inst: InstanceRecord, entries: Sequence, now: float) -> None:
+    def _dispatch(
+        self, inst: InstanceRecord, entries: Sequence, now: float, predicted_s: float
+    ) -> None:
         command = StepCommand(step=next(self._step_numbers), release=inst.release)
         inst.release = []
         for e in entries:
@@ -563,7 +567,9 @@ class Engine:
             req.dispatched(inst.id, tau, now)
             command.entries.append(StepEntry(req.id, tau, StepKind(e.kind)))
         sent = self.now()
-        inst.inflight = InflightStep(command.step, sent, [e.request_id for e in command.entries])
+        inst.inflight = InflightStep(
+            command.step, sent, [e.request_id for e in command.entries], predicted_s
+        )
         if inst.reported_at is not None and inst.reported_at[1] == self._rounds:
             self.step_times.dispatch_gap_s += sent - inst.reported_at[0]
         inst.reported_at = None

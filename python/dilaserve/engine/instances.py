@@ -16,18 +16,23 @@ class InflightStep:
     number: int
     sent_at: float
     requests: list[int]
+    #: The scheduler's estimate of its duration (the latency profile's).
+    predicted_s: float = 0.0
 
 
 @dataclass
 class StepTimes:
     """Where the wall time of steps goes, summed over every completed step: the worker's
     own step execution, the rest of the round trip (transport, serialization, command
-    handling), and the gap from a report to the instance's next command (engine work)."""
+    handling), and the gap from a report to the instance's next command (engine work);
+    beside them what the latency profile predicted (the worker's time drifting from it
+    means the profile no longer describes the machine)."""
 
     steps: int = 0
     worker_s: float = 0.0
     round_trip_s: float = 0.0
     dispatch_gap_s: float = 0.0
+    predicted_s: float = 0.0
 
     @property
     def overhead_frac(self) -> float:

@@ -9,6 +9,7 @@ body and never reaches the engine; a client that disconnects cancels its request
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -269,6 +270,7 @@ class Server:
                 "active_requests": engine.active_requests,
                 "overloaded": engine.scheduler.overloaded,
                 "plan": plan,
+                "step_times": dataclasses.asdict(engine.step_times),
             }
         )
 

@@ -43,7 +43,7 @@ fn check_progress_json(text: &str) -> PyResult<String> {
 #[pyfunction]
 #[pyo3(signature = (
     scheduler, instances, arrival, prompt_len, output_len, slo_s, progress_json, *,
-    progress_class=None, seed=0, round_quantum_s=0.0, replan_json=None,
+    progress_class=None, seed=0, round_quantum_s=0.0, step_overhead_s=0.0, replan_json=None,
 ))]
 #[allow(clippy::too_many_arguments)]
 fn simulate<'py>(
@@ -58,6 +58,7 @@ fn simulate<'py>(
     progress_class: Option<Vec<u32>>,
     seed: u64,
     round_quantum_s: f64,
+    step_overhead_s: f64,
     replan_json: Option<&str>,
 ) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyDict>)> {
     let n = arrival.len();
@@ -88,6 +89,7 @@ fn simulate<'py>(
     let options = SimOptions {
         seed,
         round_quantum_s,
+        step_overhead_s,
         replan,
     };
     let result = sim::simulate(&mut scheduler.inner, &specs, &requests, &progress, &options)

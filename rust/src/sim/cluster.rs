@@ -76,6 +76,7 @@ pub(super) struct Simulation<'a> {
     /// One per progress class.
     progress: Vec<Draws<'a>>,
     quantum: f64,
+    step_overhead_s: f64,
     rng: SmallRng,
     costs: IdMap<u32, DegreeCosts>,
     pub instances: IdMap<u64, SimInstance>,
@@ -107,6 +108,12 @@ impl<'a> Simulation<'a> {
             return Err(SimError::Cluster(format!(
                 "round quantum must be finite and non-negative, got {}",
                 options.round_quantum_s
+            )));
+        }
+        if !(options.step_overhead_s.is_finite() && options.step_overhead_s >= 0.0) {
+            return Err(SimError::Cluster(format!(
+                "step overhead must be finite and non-negative, got {}",
+                options.step_overhead_s
             )));
         }
         if u32::try_from(requests.len()).is_err() {
@@ -169,6 +176,7 @@ impl<'a> Simulation<'a> {
             order,
             arrived: 0,
             quantum: options.round_quantum_s,
+            step_overhead_s: options.step_overhead_s,
             rng: SmallRng::seed_from_u64(options.seed),
             costs: IdMap::default(),
             instances: IdMap::default(),
@@ -378,7 +386,8 @@ impl<'a> Simulation<'a> {
                     unmasked_in_block: e.unmasked_in_block,
                 });
             }
-            inst.step_s = self.costs[&inst.spec.tp].batch(full, cache, context / cached.max(1.0));
+            inst.step_s = self.costs[&inst.spec.tp].batch(full, cache, context / cached.max(1.0))
+                + self.step_overhead_s;
             self.stats.steps += 1;
             self.stats.step_seconds += inst.step_s;
             self.due

@@ -37,6 +37,9 @@ pub struct SimOptions {
     /// Events within this many simulated seconds of the first share one scheduling round;
     /// 0 runs a round at every distinct event time, as the live engine does.
     pub round_quantum_s: f64,
+    /// Seconds every step costs besides the profiled worker execution: the engine's
+    /// dispatch, transport and result handling around it (the live engine measures it).
+    pub step_overhead_s: f64,
     /// Periodic replanning through the planner (DESIGN §7); `None` keeps the layout.
     pub replan: Option<ReplanOptions>,
 }
@@ -46,6 +49,7 @@ impl Default for SimOptions {
         Self {
             seed: 0,
             round_quantum_s: 0.0,
+            step_overhead_s: 0.0,
             replan: None,
         }
     }

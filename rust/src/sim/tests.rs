@@ -299,3 +299,43 @@ fn overload_sheds_only_the_excess() {
     let goodput = |r: &SimResult, rate: f64| attainment(r) * rate;
     assert!(goodput(&over, 200.0) > 0.75 * goodput(&near, 50.0));
 }
+
+#[test]
+fn every_step_pays_the_engine_overhead() {
+    // One request alone, the same draws: each of its steps takes the overhead longer.
+    let alone = poisson(1.0, 1, 10.0);
+    let go = |step_overhead_s| {
+        simulate(
+            &mut scheduler(Policy::infaas_like(0.9)),
+            &tp1(1),
+            &alone,
+            &[progress()],
+            &SimOptions {
+                step_overhead_s,
+                ..Default::default()
+            },
+        )
+        .unwrap()
+        .requests
+        .remove(0)
+    };
+    let (bare, slowed) = (go(0.0), go(0.003));
+    assert_eq!(bare.steps, slowed.steps);
+    let extra = slowed.latency().unwrap() - bare.latency().unwrap();
+    assert!(
+        (extra - 0.003 * f64::from(bare.steps)).abs() < 1e-9,
+        "{extra}"
+    );
+    let bad = SimOptions {
+        step_overhead_s: -1.0,
+        ..Default::default()
+    };
+    let r = simulate(
+        &mut scheduler(Policy::dilaserve()),
+        &tp1(1),
+        &alone,
+        &[progress()],
+        &bad,
+    );
+    assert!(matches!(r, Err(SimError::Cluster(_))));
+}
