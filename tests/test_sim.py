@@ -145,3 +145,18 @@ def test_simulate_cli_prints_bench_lines(tmp_path: Path, capsys) -> None:
     assert (tmp_path / "sim.png").stat().st_size > 0
     assert main(["simulate", "--policies", "nope", "--quiet"]) == 2
     assert "unknown policy" in capsys.readouterr().err
+
+
+def test_simulate_cli_charges_the_engine_time_per_step(tmp_path: Path) -> None:
+    def mean_latency(overhead_ms: str) -> float:
+        out = tmp_path / f"sim-{overhead_ms}.jsonl"
+        code = main(
+            ["simulate", "--nodes", "1", "--arrivals", "poisson", "--rates", "2",
+             "--duration", "20", "--policies", "infaas", "--replan-interval", "0",
+             "--step-overhead-ms", overhead_ms, "--quiet", "--out", str(out)]
+        )  # fmt: skip
+        assert code == 0
+        return json.loads(out.read_text())["mean_latency_s"]
+
+    # Light load, the same draws: dozens of steps per request, each 20 ms longer.
+    assert mean_latency("20") > mean_latency("0") + 0.2
