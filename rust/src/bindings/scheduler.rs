@@ -77,7 +77,8 @@ impl From<SchedError> for PyErr {
             | SchedError::DuplicateRequest(_)
             | SchedError::EmptyThresholdSet { .. }
             | SchedError::UnknownThreshold { .. }
-            | SchedError::RequestTooLarge { .. } => InvalidRequestError::new_err(msg),
+            | SchedError::RequestTooLarge { .. }
+            | SchedError::ExceedsKvCache { .. } => InvalidRequestError::new_err(msg),
             SchedError::UnknownRequest(_) => UnknownRequestError::new_err(msg),
             SchedError::Admission { .. }
             | SchedError::Unmeetable { .. }

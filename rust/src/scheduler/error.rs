@@ -28,6 +28,11 @@ pub enum SchedError {
     )]
     RequestTooLarge { id: u64, tokens: u64, max: u64 },
     #[error(
+        "request {id}: its sequence of {tokens} tokens is longer than any instance's KV \
+         cache holds (at most {max})"
+    )]
+    ExceedsKvCache { id: u64, tokens: u64, max: u64 },
+    #[error(
         "request {id} rejected: the cluster is overloaded and {queued} requests already wait \
          for their first step (max_queued {max_queued})"
     )]

@@ -51,6 +51,17 @@ impl Scheduler {
         }
         let (mut request, allowed) =
             Request::from_spec(&spec, &self.config, self.requests.next_seq())?;
+        if let Some(max) = self.instances.largest_kv() {
+            let tokens = request.seq_tokens();
+            if tokens > max {
+                // No instance could ever hold it: it would wait forever.
+                return Err(SchedError::ExceedsKvCache {
+                    id: spec.id,
+                    tokens,
+                    max,
+                });
+            }
+        }
         if let Some(max_queued) = self.config.max_queued.filter(|_| self.overloaded) {
             if self.queued >= max_queued {
                 return Err(SchedError::Admission {

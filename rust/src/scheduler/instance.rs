@@ -230,6 +230,15 @@ impl InstanceTable {
         slot
     }
 
+    /// The most sequence tokens a live instance's KV cache holds; `None` while some live
+    /// instance has no such limit, or none is live (nothing to judge a request by yet).
+    pub fn largest_kv(&self) -> Option<u64> {
+        let mut live = self.slots.iter().filter(|i| i.alive).peekable();
+        live.peek()?;
+        live.map(|i| i.kv_tokens)
+            .try_fold(0, |max, kv| Some(max.max(kv?)))
+    }
+
     /// Forgets an instance and frees its GPUs; the caller re-homes its requests.
     pub fn remove(&mut self, slot: u32) {
         let inst = &mut self.slots[slot as usize];

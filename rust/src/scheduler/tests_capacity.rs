@@ -71,6 +71,31 @@ fn a_request_no_instance_can_hold_waits_with_a_reason() {
 }
 
 #[test]
+fn a_request_longer_than_every_kv_cache_is_refused_not_left_waiting() {
+    let mut s = scheduler(Policy::dilaserve());
+    // No instance yet: nothing to judge by, so it waits for one.
+    s.arrive(RequestSpec::new(1, 0.0, 10.0, 268, 32)).unwrap();
+    s.add_instance(limited(1, Some(200), None, None)).unwrap();
+    s.add_instance(limited(2, Some(250), None, None)).unwrap();
+    let r = s.arrive(RequestSpec::new(2, 0.0, 10.0, 268, 32));
+    assert!(
+        matches!(
+            r,
+            Err(SchedError::ExceedsKvCache {
+                id: 2,
+                tokens: 300,
+                max: 250
+            })
+        ),
+        "{r:?}"
+    );
+    s.arrive(RequestSpec::new(3, 0.0, 10.0, 218, 32)).unwrap();
+    // An instance without a KV limit could hold anything.
+    s.add_instance(limited(3, None, None, None)).unwrap();
+    s.arrive(RequestSpec::new(4, 0.0, 10.0, 268, 32)).unwrap();
+}
+
+#[test]
 fn no_kv_room_when_every_instance_is_full_of_residents() {
     let mut s = scheduler(Policy::dilaserve());
     s.add_instance(limited(1, Some(700), None, None)).unwrap();

@@ -310,7 +310,8 @@ impl<'a> Simulation<'a> {
                 SchedError::Admission { .. }
                 | SchedError::Unmeetable { .. }
                 | SchedError::Shed { .. }
-                | SchedError::RequestTooLarge { .. },
+                | SchedError::RequestTooLarge { .. }
+                | SchedError::ExceedsKvCache { .. },
             ) => {
                 self.outcomes[index as usize].rejected = true;
                 Ok(())
