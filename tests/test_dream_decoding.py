@@ -14,7 +14,6 @@ from dilaserve.kernels import threshold_commit_reference
 from dilaserve.models import load_model
 from dilaserve.protocol import RequestState, StepEntry
 from dilaserve.worker.batch_decoding import RowSampling, RowSchedule
-from dilaserve.worker.errors import StepRejectedError
 from dilaserve.worker.local_group import run_on_group
 from dilaserve.worker.runner import StepRunner
 from dilaserve.worker.sampling import first_fired, kept_tokens
@@ -385,29 +384,32 @@ def test_top_k_one_samples_the_argmax_at_any_temperature(dream):
     assert hot == greedy
 
 
-def _refusals(model) -> list[str]:
-    """Rank 0 of a TP group: which requests its runner refuses to step."""
-    runner = StepRunner(model, max_requests=8)
+#: Options scored over every logit, and the argmax rule beside them in one batch.
+TP_OPTIONS = [
+    {},
+    {"alg": "maskgit_plus", "steps_per_block": 4},
+    {"alg": "entropy", "steps_per_block": 8, "top_k": 3},
+    {"temperature": 2.0, "top_k": 1},
+]
+
+
+def _decode_batch(model) -> list[list[int]]:
+    """Every option of `TP_OPTIONS` decoded in shared steps on one runner."""
+    runner = StepRunner(model, max_requests=len(TP_OPTIONS))
     mask = model.config.mask_token_id
-    options = [
-        {},
-        {"steps_per_block": 2, "top_p": 0.5},
-        {"alg": "maskgit_plus"},
-        {"temperature": 0.5},
-    ]
-    refused = []
-    for rid, option in enumerate(options):
+    for rid, option in enumerate(TP_OPTIONS):
         runner.add(
-            RequestState.new(rid, PROMPT, BLOCK, block_length=BLOCK, mask_token_id=mask, **option)
+            RequestState.new(
+                rid, PROMPT, 2 * BLOCK, block_length=BLOCK, mask_token_id=mask, **option
+            )
         )
-        try:
-            runner.check_entry(StepEntry(rid, 0.9, runner.next_kind(rid)))
-        except StepRejectedError as exc:
-            refused.append(str(exc))
-    return refused
+    todo = set(range(len(TP_OPTIONS)))
+    while todo:
+        runner.step([StepEntry(rid, 0.9, runner.next_kind(rid)) for rid in sorted(todo)])
+        todo = {rid for rid in todo if not runner.state(rid).done}
+    return [runner.release(rid).output_ids for rid in range(len(TP_OPTIONS))]
 
 
-def test_tensor_parallel_instances_refuse_what_needs_the_full_logits(tiny_dream_dir):
-    refused = run_on_group(2, tiny_dream_dir, _refusals, timeout_s=300)
-    assert len(refused) == 2 and all("single-rank" in r for r in refused)
-    assert "request 2" in refused[0] and "request 3" in refused[1]
+def test_tensor_parallel_instances_gather_the_logits_that_options_need(dream, tiny_dream_dir):
+    # Rank 0 joins the ranks' logit shards for such steps: the same tokens as one rank.
+    assert run_on_group(2, tiny_dream_dir, _decode_batch, timeout_s=300) == _decode_batch(dream)

@@ -40,9 +40,12 @@ def test_a_step_reading_the_pool_round_trips():
 
 def test_a_step_without_the_pool_round_trips():
     batch = PackedBatch(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2]), (3,))
-    got = _round_trip(*pack_step(batch)).batch
+    message = _round_trip(*pack_step(batch))
+    got = message.batch
     assert got is not None and got.cache_slots is None and got.cache_reads is None
     assert torch.equal(got.logits_index, torch.arange(3)[None])
+    assert not message.full_logits
+    assert _round_trip(*pack_step(batch, full_logits=True)).full_logits
 
 
 def test_pool_and_moves_round_trip():

@@ -175,8 +175,8 @@ class RequestState:
     @property
     def needs_full_logits(self) -> bool:
         """The commit samples or scores with the whole vocabulary's distribution, which a
-        tensor-parallel instance never gathers (top-p / top-k alone change nothing: the
-        argmax survives them, and LLaDA's confidence ignores them)."""
+        tensor-parallel instance gathers for such steps only (top-p / top-k alone change
+        nothing: the argmax survives them, and LLaDA's confidence ignores them)."""
         return self.temperature > 0 or self.alg is not None
 
     def copy(self) -> RequestState:

@@ -58,8 +58,27 @@ def follow(model: DiffusionLM, group: TensorParallelGroup) -> None:
         if message.batch is None:
             raise RuntimeError("a step plan without a batch")
         logits = forward_logits(model, pool, message.batch)
-        group.gather_partials(vocab_partials(logits, model.vocab_offset))
+        if message.full_logits:
+            group.gather_logits(logits, vocab_shard_width(model))
+        else:
+            group.gather_partials(vocab_partials(logits, model.vocab_offset))
         steps += 1
+
+
+def vocab_shard_width(model: DiffusionLM) -> int:
+    """Vocabulary rows of every rank's shard (the last rank's real ones may be fewer)."""
+    return model.config.embedding_rows // model.shard.world_size
+
+
+def full_vocab_logits(
+    model: DiffusionLM, group: TensorParallelGroup, logits: torch.Tensor
+) -> torch.Tensor:
+    """Rank 0's half of a step with rows scored over every logit: the shards of every rank
+    joined into `[b, m, vocab]`."""
+    gathered = group.gather_logits(logits, vocab_shard_width(model))
+    if gathered is None:
+        raise RuntimeError("only rank 0 joins the logit shards")
+    return gathered[..., : model.config.vocab_size]
 
 
 def vocab_parallel_scores(

@@ -57,7 +57,7 @@ from dilaserve.worker.errors import (
     RequestNotHeldError,
     StepRejectedError,
 )
-from dilaserve.worker.follower import make_pool, vocab_parallel_scores
+from dilaserve.worker.follower import full_vocab_logits, make_pool, vocab_parallel_scores
 from dilaserve.worker.forward import forward_logits
 from dilaserve.worker.kv_cache import budget_tokens, bytes_per_token
 from dilaserve.worker.tp_group import TensorParallelGroup
@@ -248,10 +248,13 @@ class StepRunner:
         columns = [self._masked_in_block(h) for h in held]
         packed = self._pack(held, kinds, columns)
         tau = torch.tensor([e.tau for e in batch], dtype=torch.float32).to(self.device)
+        full_logits = any(h.state.needs_full_logits for h in held)
         with self._group_fatal():
             if self.group is not None:
-                self.group.send_step(packed)
+                self.group.send_step(packed, full_logits)
             logits = forward_logits(self.model, self.pool, packed)
+            if self.group is not None and full_logits:
+                logits = full_vocab_logits(self.model, self.group, logits)  # type: ignore[arg-type]
             outputs = self._commit(batch, held, columns, logits, tau)
         fed = packed.ids.numel()
         self.forward_tokens += fed
@@ -270,11 +273,6 @@ class StepRunner:
         if entry.kind not in self.cache_mode.step_kinds():
             raise StepRejectedError(
                 f"request {rid}: a {entry.kind} step cannot run with cache mode {self.cache_mode}"
-            )
-        if h.state.needs_full_logits and self.group is not None:
-            raise StepRejectedError(
-                f"request {rid}: temperature, top-p/top-k and Dream's alg run on single-rank "
-                "instances only"
             )
         if entry.kind is StepKind.CACHE and not h.cache_valid:
             raise StepRejectedError(

@@ -24,7 +24,7 @@ HEADER_LEN = 8
 class PlanOp(enum.IntEnum):
     """What the other ranks do next."""
 
-    STEP = 1  # run the step's model call and contribute vocabulary partials
+    STEP = 1  # run the step's model call and contribute vocabulary partials (or logits)
     POOL = 2  # (re)allocate the KV pool: header holds its capacity in tokens (0: none)
     STOP = 3  # leave the group
     MOVE = 4  # apply a compaction of the KV pool: body holds (src, dst, length) triples
@@ -42,6 +42,9 @@ class Access(enum.IntEnum):
 class PlanMessage:
     op: PlanOp
     batch: PackedBatch | None = None
+    #: The step's rows include one scored over every logit (sampling, top-p/top-k, Dream's
+    #: alg): the ranks send their logit shards, not partials.
+    full_logits: bool = False
     pool_capacity: int = 0
     moves: tuple[Move, ...] = ()
 
@@ -59,7 +62,7 @@ def access_of(batch: PackedBatch) -> Access:
     return Access.WRITE if batch.cache_slots is not None else Access.OFF
 
 
-def pack_step(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_step(batch: PackedBatch, full_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(header, body) of a step; both on the CPU."""
     rows, tokens = len(batch.lengths), batch.ids.numel()
     index = batch.logits_index
@@ -74,7 +77,8 @@ def pack_step(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
     if access is Access.READ:
         parts.append(torch.tensor(batch.cache_reads).reshape(-1))
     body = torch.cat([p.reshape(-1).to(device="cpu", dtype=torch.int64) for p in parts])
-    return header(PlanOp.STEP, rows, tokens, index.shape[1], int(access)), body
+    head = header(PlanOp.STEP, rows, tokens, index.shape[1], int(access), int(full_logits))
+    return head, body
 
 
 def pack_moves(moves: list[Move]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,7 +107,7 @@ def unpack(head: torch.Tensor, body: torch.Tensor, device: torch.device) -> Plan
         return PlanMessage(op, moves=tuple(Move(*t) for t in triples))
     if op is PlanOp.STOP:
         return PlanMessage(op)
-    rows, tokens, width, access = (int(x) for x in head[1:5])
+    rows, tokens, width, access, full_logits = (int(x) for x in head[1:6])
     lengths = body[2 * tokens : 2 * tokens + rows].tolist()
     reads = None
     if access == Access.READ:
@@ -117,4 +121,4 @@ def unpack(head: torch.Tensor, body: torch.Tensor, device: torch.device) -> Plan
     batch = PackedBatch(
         body[:tokens], body[tokens : 2 * tokens], tuple(lengths), index, slots, reads
     )
-    return PlanMessage(op, batch)
+    return PlanMessage(op, batch, full_logits=bool(full_logits))

@@ -13,6 +13,7 @@ be used again, so the instance goes down as a whole.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -132,8 +133,22 @@ class TensorParallelGroup:
 
     # -- the step plan (rank 0 sends, the others receive) --------------------------------
 
-    def send_step(self, batch: PackedBatch) -> None:
-        self._send(*pack_step(batch))
+    def gather_logits(self, logits: torch.Tensor, shard_width: int) -> torch.Tensor | None:
+        """The whole vocabulary's `[b, m, world × shard_width]` logits on rank 0 (None
+        elsewhere), each rank's shard padded to `shard_width` with -inf: only for steps with
+        rows scored over every logit."""
+        local = torch.full(
+            (*logits.shape[:-1], shard_width), -math.inf, dtype=logits.dtype, device=logits.device
+        )
+        local[..., : logits.shape[-1]] = logits
+        into = [torch.empty_like(local) for _ in range(self.world_size)] if self.rank == 0 else None
+        self._guard(dist.gather, local, into, dst=0)
+        self.stats.commit_bytes += local.numel() * local.element_size()
+        self.stats.commit_positions += local.shape[0] * local.shape[1]
+        return None if into is None else torch.cat(into, dim=-1)
+
+    def send_step(self, batch: PackedBatch, full_logits: bool = False) -> None:
+        self._send(*pack_step(batch, full_logits))
 
     def send_pool(self, capacity: int) -> None:
         """The other ranks allocate a KV pool of `capacity` tokens (0: none)."""
