@@ -1,5 +1,6 @@
 """What the ranks other than 0 of a tensor-parallel instance do: run the step plans rank 0
-broadcasts on their shard of the model and contribute their vocabulary partials.
+broadcasts on their shard of the model and contribute their vocabulary partials (their
+logit shards, for a step with rows scored over every logit).
 
 They hold no request state at all — no token state, no extent bookkeeping — only their
 part of every layer's weights and their heads of the KV pool; rank 0's runner decides every

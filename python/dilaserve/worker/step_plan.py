@@ -42,7 +42,7 @@ class Access(enum.IntEnum):
 class PlanMessage:
     op: PlanOp
     batch: PackedBatch | None = None
-    #: The step's rows include one scored over every logit (sampling, top-p/top-k, Dream's
+    #: The step's rows include one scored over every logit (temperature sampling, Dream's
     #: alg): the ranks send their logit shards, not partials.
     full_logits: bool = False
     pool_capacity: int = 0
