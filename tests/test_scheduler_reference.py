@@ -115,8 +115,12 @@ class Lockstep:
                 priority=priority,
                 thresholds=taus or None,
             )
-        except InvalidRequestError:
-            assert prompt + -(-output // 32) * 32 > self.max_tokens
+        except InvalidRequestError as exc:
+            # Longer than a step's batch budget, or than every live instance's KV cache.
+            seq = prompt + -(-output // 32) * 32
+            pools = [self.rust.instance(i).kv_tokens for i in self.rust.instance_ids()]
+            longest = None if not pools or None in pools else max(pools)
+            assert seq > self.max_tokens or (longest is not None and seq > longest), exc
             return
         except AdmissionError:
             assert self.rust.overloaded and self.ref.overloaded
