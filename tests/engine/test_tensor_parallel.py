@@ -100,7 +100,9 @@ def test_planner_moves_two_tp1_instances_to_one_tp2_under_load_losing_nothing(
     make_engine, tp_profile, slots
 ):
     h = make_engine(instances=(1, 1), device_slots=slots, profile=tp_profile)
-    problems = solvable(40, SEED + 3)
+    # Five-block answers only: a request still on a TP-1 instance when it drains moves at
+    # its next block (a one-block answer may finish in place, leaving nothing to check).
+    problems = [p for p in solvable(40, SEED + 3) if p.task == "tr"]
 
     async def scenario():
         engine = h.engine
