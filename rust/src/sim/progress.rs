@@ -126,12 +126,7 @@ impl ProgressModel {
         let t = self.nearest(tau);
         let bucket = self.bucket(t, unmasked_in_block, block_length);
         let recorded = self.recorded_near(t, bucket);
-        self.draw(
-            &self.commits[t][recorded],
-            unmasked_in_block,
-            block_length,
-            rng,
-        )
+        self.draw(t, recorded, unmasked_in_block, block_length, rng)
     }
 
     /// Bucket of a step at recorded threshold `t` that begins with `unmasked_in_block` of
@@ -152,15 +147,17 @@ impl ProgressModel {
             .expect("validated: every threshold has a recorded step")
     }
 
-    /// One of the recorded `counts`, scaled to the block length and rounded
-    /// stochastically, within the block's room.
+    /// One of the counts recorded at threshold `t` in bucket `recorded`, scaled to the
+    /// block length and rounded stochastically, within the block's room.
     fn draw(
         &self,
-        counts: &[f64],
+        t: usize,
+        recorded: usize,
         unmasked_in_block: u32,
         block_length: u32,
         rng: &mut SmallRng,
     ) -> u32 {
+        let counts = &self.commits[t][recorded];
         let left = block_length.saturating_sub(unmasked_in_block).max(1);
         let recorded = counts[rng.random_range(0..counts.len())];
         let scaled = recorded * f64::from(block_length) / f64::from(self.block_length);
@@ -233,12 +230,7 @@ impl<'a> Draws<'a> {
         let m = self.model;
         let t = self.known(tau).map_or_else(|| m.nearest(tau), |k| k.1);
         let recorded = self.recorded[t][m.bucket(t, unmasked_in_block, block_length)];
-        m.draw(
-            &m.commits[t][recorded],
-            unmasked_in_block,
-            block_length,
-            rng,
-        )
+        m.draw(t, recorded, unmasked_in_block, block_length, rng)
     }
 
     pub fn accuracy(&self, tau: f64) -> f64 {

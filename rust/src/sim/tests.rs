@@ -79,15 +79,23 @@ fn tp1(n: u64) -> Vec<InstanceSpec> {
         .collect()
 }
 
-fn run(policy: Policy, instances: &[InstanceSpec], requests: &[SimRequest]) -> SimResult {
+fn try_run(
+    policy: Policy,
+    instances: &[InstanceSpec],
+    requests: &[SimRequest],
+    options: &SimOptions,
+) -> Result<SimResult, SimError> {
     simulate(
         &mut scheduler(policy),
         instances,
         requests,
         &[progress()],
-        &SimOptions::default(),
+        options,
     )
-    .unwrap()
+}
+
+fn run(policy: Policy, instances: &[InstanceSpec], requests: &[SimRequest]) -> SimResult {
+    try_run(policy, instances, requests, &SimOptions::default()).unwrap()
 }
 
 fn attainment(r: &SimResult) -> f64 {
@@ -123,18 +131,13 @@ fn every_request_finishes_at_its_fixed_threshold() {
 fn the_same_seed_gives_the_same_run_and_another_seed_differs() {
     let requests = poisson(20.0, 300, 2.0);
     let go = |seed| {
-        simulate(
-            &mut scheduler(Policy::dilaserve()),
-            &tp1(2),
-            &requests,
-            &[progress()],
-            &SimOptions {
-                seed,
-                ..Default::default()
-            },
-        )
-        .unwrap()
-        .requests
+        let options = SimOptions {
+            seed,
+            ..Default::default()
+        };
+        try_run(Policy::dilaserve(), &tp1(2), &requests, &options)
+            .unwrap()
+            .requests
     };
     assert_eq!(go(7), go(7));
     assert_ne!(go(7), go(8));
@@ -184,13 +187,7 @@ fn admission_rejections_are_outcomes_not_errors() {
 fn bad_inputs_are_typed_errors() {
     let mut bad = poisson(1.0, 3, 1.0);
     bad[1].slo_s = -1.0;
-    let r = simulate(
-        &mut scheduler(Policy::dilaserve()),
-        &tp1(1),
-        &bad,
-        &[progress()],
-        &SimOptions::default(),
-    );
+    let r = try_run(Policy::dilaserve(), &tp1(1), &bad, &SimOptions::default());
     assert!(matches!(r, Err(SimError::Workload(_))));
     let mut used = scheduler(Policy::dilaserve());
     used.add_instance(InstanceSpec::new(9, 1, vec![0], 0))
@@ -205,11 +202,10 @@ fn bad_inputs_are_typed_errors() {
     assert!(matches!(r, Err(SimError::Cluster(_))));
     let mut unknown_class = poisson(1.0, 3, 1.0);
     unknown_class[2].class = 1;
-    let r = simulate(
-        &mut scheduler(Policy::dilaserve()),
+    let r = try_run(
+        Policy::dilaserve(),
         &tp1(1),
         &unknown_class,
-        &[progress()],
         &SimOptions::default(),
     );
     assert!(matches!(r, Err(SimError::Workload(_))));
@@ -305,19 +301,14 @@ fn every_step_pays_the_engine_overhead() {
     // One request alone, the same draws: each of its steps takes the overhead longer.
     let alone = poisson(1.0, 1, 10.0);
     let go = |step_overhead_s| {
-        simulate(
-            &mut scheduler(Policy::infaas_like(0.9)),
-            &tp1(1),
-            &alone,
-            &[progress()],
-            &SimOptions {
-                step_overhead_s,
-                ..Default::default()
-            },
-        )
-        .unwrap()
-        .requests
-        .remove(0)
+        let options = SimOptions {
+            step_overhead_s,
+            ..Default::default()
+        };
+        try_run(Policy::infaas_like(0.9), &tp1(1), &alone, &options)
+            .unwrap()
+            .requests
+            .remove(0)
     };
     let (bare, slowed) = (go(0.0), go(0.003));
     assert_eq!(bare.steps, slowed.steps);
@@ -330,12 +321,6 @@ fn every_step_pays_the_engine_overhead() {
         step_overhead_s: -1.0,
         ..Default::default()
     };
-    let r = simulate(
-        &mut scheduler(Policy::dilaserve()),
-        &tp1(1),
-        &alone,
-        &[progress()],
-        &bad,
-    );
+    let r = try_run(Policy::dilaserve(), &tp1(1), &alone, &bad);
     assert!(matches!(r, Err(SimError::Cluster(_))));
 }
