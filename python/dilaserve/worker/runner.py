@@ -248,14 +248,15 @@ class StepRunner:
         columns = [self._masked_in_block(h) for h in held]
         packed = self._pack(held, kinds, columns)
         tau = torch.tensor([e.tau for e in batch], dtype=torch.float32).to(self.device)
-        full_logits = any(h.state.needs_full_logits for h in held)
+        # Rows sampled or scored by options need every logit: a TP step gathers them.
+        sampling = RowSampling.of([h.state for h in held], self.device)
         with self._group_fatal():
             if self.group is not None:
-                self.group.send_step(packed, full_logits)
+                self.group.send_step(packed, full_logits=sampling is not None)
             logits = forward_logits(self.model, self.pool, packed)
-            if self.group is not None and full_logits:
+            if self.group is not None and sampling is not None:
                 logits = full_vocab_logits(self.model, self.group, logits)  # type: ignore[arg-type]
-            outputs = self._commit(batch, held, columns, logits, tau)
+            outputs = self._commit(batch, held, columns, logits, tau, sampling)
         fed = packed.ids.numel()
         self.forward_tokens += fed
         return StepReport(
@@ -374,6 +375,7 @@ class StepRunner:
         columns: list[list[int]],
         logits: torch.Tensor,
         tau: torch.Tensor,
+        sampling: RowSampling | None,
     ) -> list[StepOutput]:
         """Commits by the threshold rule; logits column j of row i is its block position
         `columns[i][j]` (every one a candidate, lowest position first)."""
@@ -385,7 +387,7 @@ class StepRunner:
         ids = torch.full(
             (len(rows), width), self.config.mask_token_id, dtype=torch.long, device=self.device
         )
-        result, timesteps = self._scores_and_commit(rows, logits, candidate, tau, ids)
+        result, timesteps = self._scores_and_commit(rows, logits, sampling, candidate, tau, ids)
         # The step's one device read: committed flags, new ids, statistics and grid steps.
         host = torch.cat(
             [
@@ -419,6 +421,7 @@ class StepRunner:
         self,
         rows: list[_Held],
         logits: torch.Tensor,
+        sampling: RowSampling | None,
         candidate: torch.Tensor,
         tau: torch.Tensor,
         ids: torch.Tensor,
@@ -426,8 +429,6 @@ class StepRunner:
         """Each row's tokens and confidences (the argmax, or sampled and scored by its
         options), its commit — the threshold rule, or its share of the fixed schedule — and
         the steps of Dream's grid it passed."""
-        states = [h.state for h in rows]
-        sampling = RowSampling.of(states, self.device)
         if sampling is not None:
             x0, confidence, rank = sampling.scores(logits, self._noise)
             result = threshold_commit(x0, confidence, candidate, tau, ids)
@@ -438,7 +439,7 @@ class StepRunner:
                 x0, confidence = vocab_parallel_scores(self.model, self.group, logits)  # type: ignore[arg-type]
                 result = threshold_commit(x0, confidence, candidate, tau, ids)
             rank = result.confidence
-        schedule = RowSchedule(states, self.device)
+        schedule = RowSchedule([h.state for h in rows], self.device)
         return schedule.commit(result, rank, candidate, tau, ids, self.config.mask_token_id)
 
     def _advance(
