@@ -6,6 +6,7 @@ package and runs the references.
 """
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -35,10 +36,12 @@ class TritonUnavailableError(RuntimeError):
     """A Triton kernel was called where it cannot run."""
 
 
-def require(condition: bool, message: str) -> None:
-    """Raises `KernelInputError(message)` unless `condition` holds."""
+def require(condition: bool, message: str | Callable[[], str]) -> None:
+    """Raises `KernelInputError(message)` unless `condition` holds. A message that names
+    shapes is passed as a function and built only on failure: checks run several times a
+    step, and formatting shapes costs more than the check."""
     if not condition:
-        raise KernelInputError(message)
+        raise KernelInputError(message() if callable(message) else message)
 
 
 def use_triton(tensor: torch.Tensor) -> bool:

@@ -15,20 +15,26 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def _check_scatter(cache: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> None:
-    require(cache.dim() == 3, f"cache must be [tokens, heads, dim], got {tuple(cache.shape)}")
-    require(new.dim() == 3, f"new must be [n, heads, dim], got {tuple(new.shape)}")
+    require(
+        cache.dim() == 3, lambda: f"cache must be [tokens, heads, dim], got {tuple(cache.shape)}"
+    )
+    require(new.dim() == 3, lambda: f"new must be [n, heads, dim], got {tuple(new.shape)}")
     require(
         new.shape[1:] == cache.shape[1:],
-        f"new {tuple(new.shape)} does not match cache heads/dim {tuple(cache.shape)}",
+        lambda: f"new {tuple(new.shape)} does not match cache heads/dim {tuple(cache.shape)}",
     )
     require(
         slots.shape == new.shape[:1] and slots.dtype in INDEX_DTYPES,
-        f"slots must be an integer [{new.shape[0]}] tensor, got {slots.dtype} {tuple(slots.shape)}",
+        lambda: (
+            f"slots must be an integer [{new.shape[0]}] tensor, "
+            f"got {slots.dtype} {tuple(slots.shape)}"
+        ),
     )
     require(cache.stride(2) == 1, "cache rows must be contiguous in head_dim")
     devices = {t.device for t in (cache, slots, new)}
     require(
-        len(devices) == 1, f"all tensors must be on one device, got {sorted(map(str, devices))}"
+        len(devices) == 1,
+        lambda: f"all tensors must be on one device, got {sorted(map(str, devices))}",
     )
 
 

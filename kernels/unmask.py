@@ -7,8 +7,10 @@ most confident candidate (ties -> lowest position). Committed ids are written in
 
 The Triton path never materialises the softmax: one program per position streams the
 vocabulary in tiles with an online max / rescaled sum / argmax, and a second, per-row program
-applies tau and the fallback and writes the ids. The statistics the predictor needs are small
-torch ops on the [b, m] confidences.
+applies tau and the fallback and writes the ids. The confidence statistics the predictor
+needs are computed on the host from the `[b, m]` confidences the step reads back anyway
+(`worker.step_stats`), not here: a dozen tiny device ops per step would cost more than
+the commit itself.
 
 Tensor parallelism splits the vocabulary over the ranks, and full logits never leave their
 rank: each rank reduces its vocabulary shard to the same three numbers per position that the
@@ -40,16 +42,23 @@ class CommitResult(NamedTuple):
     counts: torch.Tensor  # [b] int64: committed positions per row
     x0: torch.Tensor  # [b, m] int64: argmax id, -1 where not a candidate
     confidence: torch.Tensor  # [b, m] fp32: softmax prob of x0, -inf where not a candidate
-    stats: torch.Tensor  # [b, 5] fp32: min, q25, median, mean, q75 over candidates (NaN if none)
 
 
 def _check_inputs(
     logits: torch.Tensor, candidate: torch.Tensor, tau: torch.Tensor, ids: torch.Tensor
 ) -> None:
-    require(logits.dim() == 3, f"logits must be [b, m, vocab], got shape {tuple(logits.shape)}")
+    require(
+        logits.dim() == 3, lambda: f"logits must be [b, m, vocab], got shape {tuple(logits.shape)}"
+    )
     b, m, vocab = logits.shape
-    require(b > 0 and m > 0 and vocab > 0, f"logits has an empty dimension: {tuple(logits.shape)}")
-    require(logits.dtype in LOGIT_DTYPES, f"logits must be fp32, fp16 or bf16, got {logits.dtype}")
+    require(
+        b > 0 and m > 0 and vocab > 0,
+        lambda: f"logits has an empty dimension: {tuple(logits.shape)}",
+    )
+    require(
+        logits.dtype in LOGIT_DTYPES,
+        lambda: f"logits must be fp32, fp16 or bf16, got {logits.dtype}",
+    )
     _check_commit_args(b, m, candidate, tau, ids, logits)
 
 
@@ -63,29 +72,23 @@ def _check_commit_args(
 ) -> None:
     require(
         candidate.shape == (b, m) and candidate.dtype == torch.bool,
-        f"candidate must be bool [{b}, {m}], got {candidate.dtype} {tuple(candidate.shape)}",
+        lambda: (
+            f"candidate must be bool [{b}, {m}], got {candidate.dtype} {tuple(candidate.shape)}"
+        ),
     )
     require(
         tau.shape == (b,) and tau.dtype == torch.float32,
-        f"tau must be float32 [{b}], got {tau.dtype} {tuple(tau.shape)}",
+        lambda: f"tau must be float32 [{b}], got {tau.dtype} {tuple(tau.shape)}",
     )
     require(
         ids.shape == (b, m) and ids.dtype == torch.int64,
-        f"ids must be int64 [{b}, {m}], got {ids.dtype} {tuple(ids.shape)}",
+        lambda: f"ids must be int64 [{b}, {m}], got {ids.dtype} {tuple(ids.shape)}",
     )
     devices = {t.device for t in (*scores, candidate, tau, ids)}
     require(
-        len(devices) == 1, f"all tensors must be on one device, got {sorted(map(str, devices))}"
+        len(devices) == 1,
+        lambda: f"all tensors must be on one device, got {sorted(map(str, devices))}",
     )
-
-
-def confidence_stats(confidence: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
-    """[b, 5] fp32 (min, q25, median, mean, q75) of each row's candidate confidences, quantiles
-    interpolated linearly as torch.quantile does; NaN for a row without candidates."""
-    values = torch.where(candidate, confidence, torch.nan)
-    levels = torch.tensor([0.0, 0.25, 0.5, 0.75], device=values.device)
-    low, q25, median, q75 = torch.nanquantile(values, levels, dim=1)
-    return torch.stack([low, q25, median, torch.nanmean(values, dim=1), q75], dim=1)
 
 
 def confidence_commit_reference(
@@ -107,13 +110,16 @@ def _check_scores(
     tau: torch.Tensor,
     ids: torch.Tensor,
 ) -> None:
-    require(x0.dim() == 2, f"x0 must be [b, m], got shape {tuple(x0.shape)}")
+    require(x0.dim() == 2, lambda: f"x0 must be [b, m], got shape {tuple(x0.shape)}")
     b, m = x0.shape
-    require(b > 0 and m > 0, f"x0 has an empty dimension: {tuple(x0.shape)}")
-    require(x0.dtype == torch.int64, f"x0 must be int64, got {x0.dtype}")
+    require(b > 0 and m > 0, lambda: f"x0 has an empty dimension: {tuple(x0.shape)}")
+    require(x0.dtype == torch.int64, lambda: f"x0 must be int64, got {x0.dtype}")
     require(
         confidence.shape == (b, m) and confidence.dtype == torch.float32,
-        f"confidence must be float32 [{b}, {m}], got {confidence.dtype} {tuple(confidence.shape)}",
+        lambda: (
+            f"confidence must be float32 [{b}, {m}], "
+            f"got {confidence.dtype} {tuple(confidence.shape)}"
+        ),
     )
     _check_commit_args(b, m, candidate, tau, ids, x0, confidence)
 
@@ -136,9 +142,7 @@ def threshold_commit_reference(
     positions = torch.arange(candidate.shape[1], device=candidate.device)
     committed |= fallback[:, None] & (positions == confidence.argmax(dim=1)[:, None])
     ids.copy_(torch.where(committed, x0, ids))
-    return CommitResult(
-        committed, committed.sum(dim=1), x0, confidence, confidence_stats(confidence, candidate)
-    )
+    return CommitResult(committed, committed.sum(dim=1), x0, confidence)
 
 
 # --- vocabulary-parallel commit --------------------------------------------------------------
@@ -153,13 +157,18 @@ NO_TOKEN = torch.iinfo(torch.int32).max
 
 
 def _check_shard(logits: torch.Tensor, vocab_offset: int) -> None:
-    require(logits.dim() == 3, f"logits must be [b, m, vocab], got shape {tuple(logits.shape)}")
+    require(
+        logits.dim() == 3, lambda: f"logits must be [b, m, vocab], got shape {tuple(logits.shape)}"
+    )
     b, m, vocab = logits.shape
-    require(b > 0 and m > 0, f"logits has an empty dimension: {tuple(logits.shape)}")
-    require(logits.dtype in LOGIT_DTYPES, f"logits must be fp32, fp16 or bf16, got {logits.dtype}")
+    require(b > 0 and m > 0, lambda: f"logits has an empty dimension: {tuple(logits.shape)}")
+    require(
+        logits.dtype in LOGIT_DTYPES,
+        lambda: f"logits must be fp32, fp16 or bf16, got {logits.dtype}",
+    )
     require(
         vocab_offset >= 0 and vocab_offset + vocab < NO_TOKEN,
-        f"vocab_offset {vocab_offset} + shard width {vocab} must lie in [0, {NO_TOKEN})",
+        lambda: f"vocab_offset {vocab_offset} + shard width {vocab} must lie in [0, {NO_TOKEN})",
     )
 
 
@@ -202,9 +211,11 @@ def combine_vocab_partials(partials: torch.Tensor) -> tuple[torch.Tensor, torch.
     softmax(x)[argmax] = 1 / sum over shards of sum_r * exp(max_r - max)."""
     require(
         partials.dim() == 4 and partials.shape[-1] == PARTIAL_FIELDS,
-        f"partials must be [ranks, b, m, {PARTIAL_FIELDS}], got {tuple(partials.shape)}",
+        lambda: f"partials must be [ranks, b, m, {PARTIAL_FIELDS}], got {tuple(partials.shape)}",
     )
-    require(partials.dtype == torch.float32, f"partials must be float32, got {partials.dtype}")
+    require(
+        partials.dtype == torch.float32, lambda: f"partials must be float32, got {partials.dtype}"
+    )
     tops, sums, ids = partials[..., 0], partials[..., 1], partial_ids(partials)
     top = tops.max(dim=0).values
     shard_live = tops > -torch.inf
@@ -362,7 +373,7 @@ def confidence_commit_triton(
         block_v = min(triton.next_power_of_2(vocab), MAX_BLOCK_V)
     require(
         block_v > 0 and block_v & (block_v - 1) == 0,
-        f"block_v must be a power of two, got {block_v}",
+        lambda: f"block_v must be a power of two, got {block_v}",
     )
     flags = candidate.contiguous().view(torch.int8)
     x0 = torch.empty((b, m), dtype=torch.int64, device=logits.device)
@@ -384,7 +395,7 @@ def confidence_commit_triton(
         *ids.stride(),
         BLOCK_M=commit_width(m),
     )
-    return CommitResult(committed, counts, x0, confidence, confidence_stats(confidence, candidate))
+    return CommitResult(committed, counts, x0, confidence)
 
 
 def confidence_commit(
@@ -424,7 +435,7 @@ def threshold_commit_triton(
         *ids.stride(),
         BLOCK_M=commit_width(m),
     )
-    return CommitResult(committed, counts, x0, confidence, confidence_stats(confidence, candidate))
+    return CommitResult(committed, counts, x0, confidence)
 
 
 def threshold_commit(
@@ -455,7 +466,7 @@ def vocab_partials_triton(
         block_v = min(triton.next_power_of_2(vocab), MAX_BLOCK_V)
     require(
         block_v > 0 and block_v & (block_v - 1) == 0,
-        f"block_v must be a power of two, got {block_v}",
+        lambda: f"block_v must be a power of two, got {block_v}",
     )
     _vocab_partials_kernel[(b * m,)](
         logits,

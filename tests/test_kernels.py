@@ -50,7 +50,6 @@ def direct_commit(
     committed = torch.zeros(b, m, dtype=torch.bool)
     x0 = torch.full((b, m), -1, dtype=torch.int64)
     confidence = torch.full((b, m), -torch.inf)
-    stats = torch.full((b, 5), torch.nan)
     for i in range(b):
         for j in range(m):
             if candidate[i, j]:
@@ -67,11 +66,7 @@ def direct_commit(
         for j in range(m):
             if committed[i, j]:
                 ids[i, j] = int(x0[i, j])
-        if cols:
-            values = confidence[i, cols]
-            q = torch.quantile(values, torch.tensor([0.25, 0.5, 0.75]))
-            stats[i] = torch.stack([values.min(), q[0], q[1], values.mean(), q[2]])
-    return CommitResult(committed, committed.sum(dim=1), x0, confidence, stats)
+    return CommitResult(committed, committed.sum(dim=1), x0, confidence)
 
 
 def assert_results_match(got: CommitResult, want: CommitResult) -> None:
@@ -79,9 +74,6 @@ def assert_results_match(got: CommitResult, want: CommitResult) -> None:
     assert torch.equal(got.counts.cpu(), want.counts.cpu())
     assert torch.equal(got.x0.cpu(), want.x0.cpu())
     torch.testing.assert_close(got.confidence.cpu(), want.confidence.cpu(), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(
-        got.stats.cpu(), want.stats.cpu(), rtol=1e-5, atol=1e-6, equal_nan=True
-    )
 
 
 def commit_both(
@@ -189,7 +181,7 @@ def test_nothing_above_tau_commits_exactly_the_most_confident() -> None:
     assert (got.confidence.max(dim=1).values < 0.999).all()
 
 
-def test_rows_without_candidates_commit_nothing_and_have_nan_stats() -> None:
+def test_rows_without_candidates_commit_nothing() -> None:
     logits = _logits(3, 4, 21, torch.float16, seed=10)
     candidate = torch.tensor([[False] * 4, [True, False, True, False], [False] * 4], device=DEVICE)
     got, ids = commit_both(logits, candidate, _tau(0.0, 0.5, 0.0), _ids(3, 4), 16)
@@ -199,8 +191,6 @@ def test_rows_without_candidates_commit_nothing_and_have_nan_stats() -> None:
         assert (ids[i] == 999_999).all()
         assert (got.x0[i] == -1).all()
         assert torch.isneginf(got.confidence[i]).all()
-        assert torch.isnan(got.stats[i]).all()
-    assert not torch.isnan(got.stats[1]).any()
 
 
 def test_tau_one_commits_one_token_unless_confidence_is_exactly_one() -> None:

@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dilaserve.kernels import (
@@ -60,6 +61,7 @@ from dilaserve.worker.errors import (
 from dilaserve.worker.follower import full_vocab_logits, make_pool, vocab_parallel_scores
 from dilaserve.worker.forward import forward_logits
 from dilaserve.worker.kv_cache import budget_tokens, bytes_per_token
+from dilaserve.worker.step_stats import confidence_stats
 from dilaserve.worker.tp_group import TensorParallelGroup
 
 
@@ -380,28 +382,31 @@ class StepRunner:
         """Commits by the threshold rule; logits column j of row i is its block position
         `columns[i][j]` (every one a candidate, lowest position first)."""
         width = logits.shape[1]
-        counts = torch.tensor([len(c) for c in columns])
-        candidate = (torch.arange(width)[None, :] < counts[:, None]).to(
-            self.device, non_blocking=True
-        )
+        counts = np.array([len(c) for c in columns])
+        on_host = np.arange(width)[None, :] < counts[:, None]
+        candidate = torch.from_numpy(on_host).to(self.device, non_blocking=True)
         ids = torch.full(
             (len(rows), width), self.config.mask_token_id, dtype=torch.long, device=self.device
         )
         result, timesteps = self._scores_and_commit(rows, logits, sampling, candidate, tau, ids)
-        # The step's one device read: committed flags, new ids, statistics and grid steps.
-        host = torch.cat(
-            [
-                result.committed.double(),
-                ids.double(),
-                result.stats.double(),
-                timesteps[:, None].double(),
-            ],
-            dim=1,
-        ).cpu()
-        committed = host[:, :width].bool().tolist()
-        new_ids = host[:, width : 2 * width].long().tolist()
-        stats = host[:, 2 * width : -1].tolist()
-        passed = host[:, -1].long().tolist()
+        # The step's one device read: committed flags, new ids, confidences and grid steps.
+        host = (
+            torch.cat(
+                [
+                    result.committed.double(),
+                    ids.double(),
+                    result.confidence.double(),
+                    timesteps[:, None].double(),
+                ],
+                dim=1,
+            )
+            .cpu()
+            .numpy()
+        )
+        committed = host[:, :width].astype(bool).tolist()
+        new_ids = host[:, width : 2 * width].astype(np.int64).tolist()
+        stats = confidence_stats(host[:, 2 * width : 3 * width], on_host).tolist()
+        passed = host[:, -1].astype(np.int64).tolist()
         return [
             self._advance(
                 e,
