@@ -8,6 +8,9 @@
    the committed tokens must agree), and in bfloat16 (agreement reported, not required).
 3. A latency profile of that runner on CUDA in bfloat16: step milliseconds per kind and
    batch, and whether the kernels compiled once (no recompilation as batch shapes change).
+4. `benches/runtime.py --device cuda`: the runtime against the plain and dual-cache
+   reference loops, and batch 8 against batch 1, on CUDA (its lines carry `"device":
+   "cuda"`).
 
 Runs only where CUDA is present (it prints one line saying so and exits 0 elsewhere).
 Prints one JSON object per line.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import json
 import time
 from pathlib import Path
@@ -253,6 +257,19 @@ def compiled_variants() -> int:
     return total
 
 
+# --- 4. the runtime bench on CUDA ------------------------------------------------------------
+
+
+def runtime_bench(device: torch.device) -> None:
+    """Runs `benches/runtime.py` (beside this file) on `device`."""
+    spec = importlib.util.spec_from_file_location(
+        "runtime_bench", Path(__file__).with_name("runtime.py")
+    )
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    module.main(["--device", device.type])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--skip-cpu", action="store_true", help="no CPU comparison (faster)")
@@ -271,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
             for mode, share in compare_runners(model, device, prompts=prompts).items():
                 emit("runner_cuda_vs_cpu_agreement", share, "share", mode=mode)
         profile_steps(model.to(device=device, dtype=torch.bfloat16))
+    runtime_bench(device)
     return 0
 
 

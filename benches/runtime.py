@@ -5,13 +5,17 @@ tokens (block 32, τ 0.9) with cache `none` (batch 1), `prefix` and `dual` (batc
 Beside it, in the same process, two straightforward loops over the same model: the plain
 loop (full forward every step, no cache) and a dual-cache loop (a full forward at each
 block start writing the cache, then block-only forwards reading it), both one request at a
-time. Rates are generated tokens per second of this process's CPU time, with one intra-op
-thread: on a shared machine wall time mostly measures the neighbours, CPU time measures
-the work. Ratios compare runs of this process only. Prints one JSON object per line.
+time. On the CPU (the default), rates are generated tokens per second of this process's
+CPU time, with one intra-op thread: on a shared machine wall time mostly measures the
+neighbours, CPU time measures the work. With `--device cuda` the model is bfloat16 and
+rates are per wall-clock second, the device synchronised around each timed run; every
+kernel is compiled and the device warmed before the first one. Ratios compare runs of
+this process only. Prints one JSON object per line.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import resource
 import tempfile
@@ -38,6 +42,26 @@ def emit(name: str, value: float, unit: str, **extra) -> None:
     print(json.dumps({"name": name, "value": round(value, 4), "unit": unit, **extra}), flush=True)
 
 
+class Clock:
+    """Seconds of work: this process's CPU time on the CPU, wall time on CUDA (the device
+    synchronised first, so queued kernels count)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return time.perf_counter()
+        return time.process_time()
+
+    def timed(self, fn):
+        """Result of `fn()` and the seconds it took."""
+        start = self.now()
+        result = fn()
+        return result, self.now() - start
+
+
 def threshold_commit(x: torch.Tensor, logits: torch.Tensor, lo: int, mask_id: int) -> None:
     """The threshold rule on one block's `[B, vocab]` logits, written out; updates `x`."""
     logits[:, mask_id] = -float("inf")
@@ -53,8 +77,8 @@ def threshold_commit(x: torch.Tensor, logits: torch.Tensor, lo: int, mask_id: in
 def reference_loop(model, prompt: list[int]) -> list[int]:
     """LLaDA's generate for one prompt: full-sequence forward every step, no cache."""
     mask_id = model.config.mask_token_id
-    x = torch.tensor(prompt + [mask_id] * GEN_LENGTH)[None]
-    positions = torch.arange(x.shape[1])[None]
+    x = torch.tensor(prompt + [mask_id] * GEN_LENGTH, device=model.device)[None]
+    positions = torch.arange(x.shape[1], device=model.device)[None]
     valid = torch.ones_like(x, dtype=torch.bool)
     for block in range(GEN_LENGTH // BLOCK):
         lo = len(prompt) + block * BLOCK
@@ -67,26 +91,28 @@ def reference_loop(model, prompt: list[int]) -> list[int]:
 def dual_reference_loop(model, prompt: list[int]) -> list[int]:
     """Fast-dLLM's dual cache for one prompt: at each block start a full forward writes
     every position's K/V, then each step feeds only the block and attends over the cache."""
-    cfg = model.config
+    cfg, device = model.config, model.device
     mask_id = cfg.mask_token_id
-    x = torch.tensor(prompt + [mask_id] * GEN_LENGTH)[None]
+    x = torch.tensor(prompt + [mask_id] * GEN_LENGTH, device=device)[None]
     n = x.shape[1]
-    pool = KVCachePool(cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim, model.dtype, "cpu")
-    base, length = torch.tensor([0]), torch.tensor([n])
+    pool = KVCachePool(cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim, model.dtype, device)
+    base, length = torch.tensor([0], device=device), torch.tensor([n], device=device)
+    every = torch.ones(1, n, dtype=torch.bool, device=device)
+    fed = torch.ones(1, BLOCK, dtype=torch.bool, device=device)
     for block in range(GEN_LENGTH // BLOCK):
         lo = len(prompt) + block * BLOCK
         first = True
         while (x[0, lo : lo + BLOCK] == mask_id).any():
             if first:
-                everything = (torch.arange(n)[None], torch.ones(1, n, dtype=torch.bool))
-                logits = model(x, *everything, cache=pool, cache_base=base, cache_mode="write")
+                positions = torch.arange(n, device=device)[None]
+                logits = model(x, positions, every, cache=pool, cache_base=base, cache_mode="write")
                 logits = logits[0, lo : lo + BLOCK]
                 first = False
             else:
-                fed = (torch.arange(lo, lo + BLOCK)[None], torch.ones(1, BLOCK, dtype=torch.bool))
                 logits = model(
                     x[:, lo : lo + BLOCK],
-                    *fed,
+                    torch.arange(lo, lo + BLOCK, device=device)[None],
+                    fed,
                     cache=pool,
                     cache_base=base,
                     cache_mode="read",
@@ -94,13 +120,6 @@ def dual_reference_loop(model, prompt: list[int]) -> list[int]:
                 )[0]
             threshold_commit(x, logits, lo, mask_id)
     return x[0, len(prompt) :].tolist()
-
-
-def timed(fn):
-    """Result of `fn()` and the CPU seconds this process spent on it."""
-    start = time.process_time()
-    result = fn()
-    return result, time.process_time() - start
 
 
 def run_runner(runner: StepRunner, prompts: list[list[int]], batch: int) -> list[list[int]]:
@@ -116,13 +135,31 @@ def run_runner(runner: StepRunner, prompts: list[list[int]], batch: int) -> list
     return [o.output_ids for o in outs]
 
 
+def warm_up(model, runners: list[StepRunner], prompt: list[int]) -> None:
+    """On CUDA: the kernels compiled and the libraries initialised before any timing, so
+    neither side pays them (the CPU has nothing to warm)."""
+    if model.device.type != "cuda":
+        return
+    dual_reference_loop(model, prompt)
+    reference_loop(model, prompt)
+    for runner in runners:
+        runner.warm_up()
+        run_runner(runner, [prompt], 1)
+
+
 @torch.inference_mode()
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    device = torch.device(p.parse_args(argv).device)
     imports_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     torch.manual_seed(0)
-    torch.set_num_threads(1)
+    on_cpu = device.type == "cpu"
+    if on_cpu:
+        torch.set_num_threads(1)
+    dtype = "float32" if on_cpu else "bfloat16"
     with tempfile.TemporaryDirectory() as tmp:
-        model = load_model(write_tiny_checkpoint(f"{tmp}/model", "llada", **MODEL))
+        model = load_model(write_tiny_checkpoint(f"{tmp}/model", "llada", **MODEL), dtype, device)
     g = torch.Generator().manual_seed(1)
     prompts = [
         torch.randint(0, 256, (PROMPT_LENGTH,), generator=g).tolist() for _ in range(REQUESTS)
@@ -132,31 +169,43 @@ def main() -> None:
         "prompt": PROMPT_LENGTH,
         "gen_length": GEN_LENGTH,
         "block": BLOCK,
-        "threads": 1,
+        "device": device.type,
+        "dtype": dtype,
+        **({"threads": 1} if on_cpu else {}),
     }
+    rate_unit = "tok/cpu-s" if on_cpu else "tok/s"
+    clock = Clock(device)
     sequential = prompts[:SEQUENTIAL_REQUESTS]
     tokens_b1 = len(sequential) * GEN_LENGTH
+    # No cache at batch 8 would take minutes and compare nothing the issue asks for.
+    runs = (("none", 1), ("prefix", 1), ("prefix", 8), ("dual", 1), ("dual", 8))
+    runners = {
+        (cache, batch): StepRunner(
+            model, cache=cache, max_requests=batch, max_seq_len=PROMPT_LENGTH + GEN_LENGTH
+        )
+        for cache, batch in runs
+    }
+    warm_up(model, list(runners.values()), prompts[0])
 
-    reference, seconds = timed(lambda: [reference_loop(model, p) for p in sequential])
+    reference, seconds = clock.timed(lambda: [reference_loop(model, p) for p in sequential])
     ref_rate = tokens_b1 / seconds
-    emit("reference_loop_tokens_per_s", ref_rate, "tok/cpu-s", **common)
-    dual_reference, seconds = timed(lambda: [dual_reference_loop(model, p) for p in sequential])
+    emit("reference_loop_tokens_per_s", ref_rate, rate_unit, **common)
+    dual_reference, seconds = clock.timed(
+        lambda: [dual_reference_loop(model, p) for p in sequential]
+    )
     dual_ref_rate = tokens_b1 / seconds
-    emit("dual_reference_loop_tokens_per_s", dual_ref_rate, "tok/cpu-s", **common)
+    emit("dual_reference_loop_tokens_per_s", dual_ref_rate, rate_unit, **common)
 
     rates: dict[tuple[str, int], float] = {}
     pool_bytes = 0
-    # No cache at batch 8 would take minutes and compare nothing the issue asks for.
-    for cache, batch in (("none", 1), ("prefix", 1), ("prefix", 8), ("dual", 1), ("dual", 8)):
-        runner = StepRunner(
-            model, cache=cache, max_requests=batch, max_seq_len=PROMPT_LENGTH + GEN_LENGTH
-        )
+    for (cache, batch), runner in runners.items():
         todo = prompts if batch > 1 else sequential
-        outs, seconds = timed(lambda r=runner, t=todo, b=batch: run_runner(r, t, b))
+        before = runner.forward_tokens
+        outs, seconds = clock.timed(lambda r=runner, t=todo, b=batch: run_runner(r, t, b))
         rates[cache, batch] = len(todo) * GEN_LENGTH / seconds
         tag = f"{cache}_batch{batch}"
-        emit(f"tokens_per_s_{tag}", rates[cache, batch], "tok/cpu-s", **common)
-        emit(f"forward_tokens_{tag}", runner.forward_tokens, "tokens", **common)
+        emit(f"tokens_per_s_{tag}", rates[cache, batch], rate_unit, **common)
+        emit(f"forward_tokens_{tag}", runner.forward_tokens - before, "tokens", **common)
         if batch == 1 and cache != "prefix":
             want = reference if cache == "none" else dual_reference
             emit(f"matches_reference_{tag}", float(outs == want), "bool", **common)

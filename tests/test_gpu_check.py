@@ -90,3 +90,17 @@ def test_kernels_compile_once_across_batch_shapes(gpu_check):
     for batch in (1, 3, 8):
         gpu_check.decode_steps(runner, [[5, 6, 7]] * batch, gen_length=32, steps=2, tau=0.9)
     assert gpu_check.compiled_variants() == compiled
+
+
+@needs_cuda
+def test_runtime_bench_runs_on_cuda_and_reports_every_ratio(gpu_check, capsys):
+    gpu_check.runtime_bench(torch.device("cuda"))
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    names = {line["name"] for line in lines}
+    assert {
+        "ratio_runtime_vs_reference_loop",
+        "ratio_dual_b1_vs_dual_reference_loop",
+        "ratio_batch8_vs_batch1",
+        "kv_pool_bytes_per_token",
+    } <= names
+    assert all(line["device"] == "cuda" for line in lines)
