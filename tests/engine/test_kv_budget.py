@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 import torch
+from tp_profiles import write_tp_profile
 
 from dilaserve.engine import BadRequestError, GenerationParams
 from dilaserve.models import read_config
@@ -46,3 +47,39 @@ def test_a_request_longer_than_the_pool_is_refused_at_once(make_engine):
     with pytest.raises(BadRequestError, match="KV cache"):
         # About 60 prompt tokens and two 32-token blocks: 124 positions for a 100-token pool.
         harness.engine.add_request("1234567890+" * 5 + "1=", GenerationParams(max_tokens=64))
+
+
+def test_a_waiting_request_no_instance_left_can_hold_fails_instead_of_waiting(
+    make_engine, tmp_path
+):
+    """A TP-2 instance holds twice the tokens of a TP-1 one in the same per-device budget.
+    A request only the TP-2 instance can hold is admitted, then that instance is stopped:
+    the request leaves it after its first block at the latest, and once it has stopped
+    nothing left can ever serve the request, so it fails (503) rather than wait."""
+    _, config = read_config(default_model_dir())
+    per_token = bytes_per_token(
+        config.num_layers, config.num_kv_heads, config.head_dim, torch.float32
+    )
+    profile = write_tp_profile(tmp_path / "tp.json", (1, 2))
+    h = make_engine(instances=(2, 1), profile=profile, kv_cache_memory=100 * per_token)
+    engine = h.engine
+    assert [engine.instances[i].ready.kv_tokens for i in (0, 1)] == [200, 100]
+
+    async def outcome(req) -> str:
+        while True:
+            item = await req.outputs.get()
+            if isinstance(item, BaseException):
+                return str(item)
+            if item.finished:
+                return item.finish_reason
+
+    async def scenario():
+        # About 60 prompt tokens and two 32-token blocks: 121 positions.
+        long = engine.add_request("1234567890+" * 5 + "1=", GenerationParams(max_tokens=64))
+        short = engine.add_request("2+2=", GenerationParams(max_tokens=32))
+        await engine.stop_instance(0)
+        return await outcome(long), await outcome(short)
+
+    long_outcome, short_outcome = h.run(asyncio.wait_for(scenario(), 120))
+    assert "needs 121 tokens of KV cache and no instance left holds more than 100" in (long_outcome)
+    assert short_outcome == "stop"  # the TP-1 instance still serves what it can hold

@@ -415,10 +415,29 @@ class Engine:
         self.fail_if_unserved()
 
     def fail_if_unserved(self) -> None:
-        """With no instance left and none about to be launched, every request fails."""
-        if self._running and not self.instances and not self.launches_pending:
+        """Fails every request that no instance left can hold, once none is about to be
+        launched or is still starting: all of them when no instance is left, else those
+        longer than every KV cache (they were admitted while a larger instance ran, and
+        would otherwise wait forever)."""
+        if not self._running or self.launches_pending:
+            return
+        if not self.instances:
             for req in list(self._requests.values()):
                 self._fail(req, EngineStoppedError("no instance is left to serve requests"))
+            return
+        readies = [i.ready for i in self.instances.values()]
+        if any(r is None or r.kv_tokens is None for r in readies):
+            return  # one still starting may hold anything; one without a cache does
+        largest = max(r.kv_tokens for r in readies)  # type: ignore[union-attr,type-var]
+        for req in list(self._requests.values()):
+            if req.state.seq_length > largest:
+                self._fail(
+                    req,
+                    EngineStoppedError(
+                        f"request {req.id} needs {req.state.seq_length} tokens of KV cache "
+                        f"and no instance left holds more than {largest}"
+                    ),
+                )
 
     # -- worker messages -------------------------------------------------------------------
 
