@@ -83,6 +83,8 @@ def test_the_random_rule_has_no_count_to_skip_by():
         ({"alg_temp": float("inf"), "alg": "entropy"}, "alg_temp"),
         ({"alg_temp": 0.5}, "alg_temp"),
         ({"alg_temp": 0.5, "alg": "origin"}, "alg_temp"),
+        ({"seed": 2**63}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
     ],
 )
 def test_bad_options_name_their_parameter(options, param):

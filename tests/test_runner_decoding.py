@@ -78,6 +78,54 @@ def test_temperature_zero_is_the_argmax_and_sampling_repeats_per_seed(model):
     assert hot[0].output_ids != greedy.output_ids
 
 
+def _decode_together(runner, prompts, gen_length, options):
+    """Decodes requests with their own `options` in one batch; their final states."""
+    mask = runner.config.mask_token_id
+    for rid, (prompt, opts) in enumerate(zip(prompts, options, strict=True)):
+        runner.add(
+            RequestState.new(
+                rid, prompt, gen_length, block_length=BLOCK, mask_token_id=mask, **opts
+            )
+        )
+    active = list(range(len(prompts)))
+    while active:
+        report = runner.step([StepEntry(r, 0.9, runner.next_kind(r)) for r in active])
+        active = [o.request_id for o in report.outputs if not o.done]
+    return [runner.release(rid) for rid in range(len(prompts))]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"temperature": 1.5},
+        {"temperature": 1.0, "alg": "origin"},
+        {"alg": "entropy", "alg_temp": 0.5},
+    ],
+)
+def test_a_seeded_request_decodes_the_same_in_any_batch_and_on_any_instance(model, options):
+    """Its samples come from its own stream, not the runner's: other rows in the step (and
+    how many positions they still have masked) and the runner's past steps change nothing,
+    while another seed changes the tokens."""
+    prompt = [3, 17, 42, 5, 9]
+    seeded = {**options, "seed": 1234}
+
+    def fresh():
+        return StepRunner(model, max_requests=4, max_seq_len=64)
+
+    alone, _ = _decode(fresh(), prompt, 2 * BLOCK, **seeded)
+    busy = fresh()
+    _decode(busy, [8, 8, 8], 2 * BLOCK, temperature=2.0)  # the runner's stream moves on
+    batch = _decode_together(
+        busy,
+        [[7, 7], prompt, [1, 2, 3, 4, 5, 6], [11]],
+        2 * BLOCK,
+        [{"temperature": 2.0}, seeded, {**options, "seed": 99}, {}],
+    )
+    assert batch[1].output_ids == alone.output_ids
+    reseeded, _ = _decode(fresh(), prompt, 2 * BLOCK, **{**options, "seed": 4321})
+    assert reseeded.output_ids != alone.output_ids
+
+
 def test_gumbel_samples_follow_the_softmax_with_noiseless_confidence():
     logits = torch.tensor([[[2.0, 1.0, 0.0, -torch.inf]]]).expand(1, 4000, 4)
     noise = torch.rand(

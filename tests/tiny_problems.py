@@ -21,8 +21,8 @@ def _runner_and_tokenizer():
     return StepRunner(model, cache="dual", max_requests=1), load_tokenizer(default_model_dir())
 
 
-def decode_alone(prompt: str, max_tokens: int, taus: tuple[float, ...]) -> Generation:
-    """Decodes one prompt alone with the given τ at each step."""
+def decode_alone(prompt: str, max_tokens: int, taus: tuple[float, ...], **options) -> Generation:
+    """Decodes one prompt alone with the given τ at each step (and decoding `options`)."""
     runner, tokenizer = _runner_and_tokenizer()
     (g,) = generate(
         runner,
@@ -30,6 +30,7 @@ def decode_alone(prompt: str, max_tokens: int, taus: tuple[float, ...]) -> Gener
         gen_length=max_tokens,
         threshold=lambda state: taus[state.steps_done],
         stop_at_eos=True,
+        **options,
     )
     return g
 

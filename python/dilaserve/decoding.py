@@ -37,8 +37,17 @@ class ConfidenceRule(enum.StrEnum):
 RULE_NAMES = tuple(rule.value for rule in ConfidenceRule)
 
 
+#: Seeds are 64-bit signed integers, as OpenAI's API and torch's generators take them.
+SEED_RANGE = (-(2**63), 2**63 - 1)
+
+
 def option_problem(
-    *, alg: str | None, alg_temp: float, top_p: float, top_k: int | None
+    *,
+    alg: str | None,
+    alg_temp: float,
+    top_p: float,
+    top_k: int | None,
+    seed: int | None = None,
 ) -> tuple[str, str] | None:
     """The first invalid option as (parameter, message), None when all are valid: the one
     rule behind the HTTP 400s, `GenerationParams` and the token state's validation."""
@@ -55,6 +64,8 @@ def option_problem(
             "alg_temp randomises a confidence order: it needs alg maskgit_plus, topk_margin "
             "or entropy"
         )
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        return "seed", f"seed must be a 64-bit signed integer, got {seed}"
     return None
 
 

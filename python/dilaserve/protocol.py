@@ -85,6 +85,10 @@ class RequestState:
     #: (1: all), and from the `top_k` most probable (None: all).
     top_p: float = 1.0
     top_k: int | None = None
+    #: The request's own random stream (OpenAI's `seed`): its sampling and Dream's random
+    #: rules draw from (seed, steps done), so it decodes the same in any batch, on any
+    #: instance, after any migration. None: the instance's shared stream.
+    seed: int | None = None
     steps_done: int = 0
     # Steps already run in the current block; 0 means the next step opens a block.
     block_steps: int = 0
@@ -108,13 +112,14 @@ class RequestState:
         alg_temp: float = 0.0,
         top_p: float = 1.0,
         top_k: int | None = None,
+        seed: int | None = None,
     ) -> RequestState:
         """A fresh request: `gen_length` output positions rounded up to whole blocks."""
         if block_length <= 0:
             raise TokenStateError(f"block_length must be positive, got {block_length}")
         if gen_length <= 0:
             raise TokenStateError(f"gen_length must be positive, got {gen_length}")
-        problem = option_problem(alg=alg, alg_temp=alg_temp, top_p=top_p, top_k=top_k)
+        problem = option_problem(alg=alg, alg_temp=alg_temp, top_p=top_p, top_k=top_k, seed=seed)
         if problem is not None:
             raise TokenStateError(f"request {request_id}: {problem[1]}")
         state = cls(
@@ -130,6 +135,7 @@ class RequestState:
             alg_temp=alg_temp,
             top_p=top_p,
             top_k=top_k,
+            seed=seed,
         )
         state.validate()
         return state
@@ -158,7 +164,11 @@ class RequestState:
         if self.mask_token_id in self.stop_token_ids:
             raise TokenStateError(f"request {rid}: the mask token cannot be a stop token")
         problem = option_problem(
-            alg=self.alg, alg_temp=self.alg_temp, top_p=self.top_p, top_k=self.top_k
+            alg=self.alg,
+            alg_temp=self.alg_temp,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
         )
         if problem is not None:
             raise TokenStateError(f"request {rid}: {problem[1]}")

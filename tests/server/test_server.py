@@ -10,7 +10,10 @@ import aiohttp
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from tiny_problems import PINNED_TAU, decode_alone
 
+from dilaserve.models import load_tokenizer
+from dilaserve.tiny import default_model_dir
 from dilaserve.tiny.evaluate import gen_length
 from dilaserve.tiny.tasks import check, make_problems
 
@@ -101,6 +104,7 @@ def _error(exc: openai.APIStatusError) -> dict:
         ({"extra_body": {"top_k": 0}}, "top_k"),
         ({"extra_body": {"alg": "origin", "alg_temp": 0.5}}, "alg_temp"),
         ({"extra_body": {"alg": "entropy", "steps_per_block": 64}}, None),
+        ({"seed": 2**63}, "seed"),
     ],
 )
 def test_bad_requests_are_400_with_an_openai_error_body(server, kwargs, param):
@@ -123,6 +127,39 @@ def test_dreams_generation_options_through_the_openai_client(server):
     )
     assert resp.choices[0].text == "80235"
     assert resp.model_extra["dilaserve"]["steps"] <= 8
+
+
+def test_a_seeded_request_samples_what_it_samples_alone(server):
+    """OpenAI's `seed`: with τ pinned (the scheduler's choice depends on the load), a
+    sampled request decodes what the same seed decodes alone, on either instance, however
+    far the instances' shared streams have moved; other seeds sample other text."""
+    prompt = "draw:ajdhmnff,asxfmnee,kjxfmxef,asxhlfef>"  # a task the tiny model is unsure of
+
+    def sample(seed: int) -> str:
+        resp = server.client().completions.create(
+            model="dilaserve-tiny",
+            prompt=prompt,
+            max_tokens=32,
+            temperature=1.5,
+            seed=seed,
+            extra_body={"confidence_threshold": PINNED_TAU},
+        )
+        return resp.choices[0].text
+
+    tokenizer = load_tokenizer(default_model_dir())
+    alone = {
+        seed: tokenizer.decode(
+            decode_alone(prompt, 32, (PINNED_TAU,) * 33, temperature=1.5, seed=seed).output_ids,
+            skip_special_tokens=True,
+        )
+        for seed in (1, 2, 5)
+    }
+    assert len(set(alone.values())) > 1
+    for seed, text in alone.items():
+        server.client().completions.create(  # moves an instance's shared stream on
+            model="dilaserve-tiny", prompt="2+2=", max_tokens=8, temperature=2.0
+        )
+        assert sample(seed) == text
 
 
 async def _post(url: str, data: bytes, headers: dict | None = None):

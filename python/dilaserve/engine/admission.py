@@ -50,6 +50,7 @@ class RequestBuilder:
                 alg_temp=params.alg_temp,
                 top_p=params.top_p,
                 top_k=params.top_k,
+                seed=params.seed,
             )
         except TokenStateError as exc:
             raise BadRequestError(str(exc)) from exc

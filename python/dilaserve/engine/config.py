@@ -128,6 +128,10 @@ class GenerationParams:
     #: Nucleus and top-k filtering of the sampled distribution (1 / None: off).
     top_p: float = 1.0
     top_k: int | None = None
+    #: The request's own random stream: the same seed, prompt and options decode the same
+    #: tokens wherever the request runs (with a pinned `threshold`: the scheduler's choice
+    #: of τ depends on the load). None: the instance's shared stream.
+    seed: int | None = None
 
     def validate(self) -> None:
         if self.max_tokens is not None and self.max_tokens <= 0:
@@ -143,7 +147,11 @@ class GenerationParams:
         if self.steps_per_block is not None and self.steps_per_block <= 0:
             raise BadRequestError(f"steps_per_block must be positive, got {self.steps_per_block}")
         problem = option_problem(
-            alg=self.alg, alg_temp=self.alg_temp, top_p=self.top_p, top_k=self.top_k
+            alg=self.alg,
+            alg_temp=self.alg_temp,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
         )
         if problem is not None:
             raise BadRequestError(problem[1])

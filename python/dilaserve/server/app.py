@@ -138,6 +138,7 @@ class Server:
             alg_temp=body.alg_temp or 0.0,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=body.top_k,
+            seed=body.seed,
         )
         rid = request.headers.get("X-Request-Id") or str(next(self._ids))
         shape = ResponseShape(chat, rid, self.settings.model_name)

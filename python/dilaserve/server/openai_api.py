@@ -71,6 +71,7 @@ class _Common(msgspec.Struct, kw_only=True):
             alg_temp=self.alg_temp or 0.0,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k,
+            seed=self.seed,
         )
         if problem is not None:
             raise bad_request(problem[1], problem[0])

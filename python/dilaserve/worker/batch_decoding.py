@@ -7,6 +7,10 @@ score (its token, the confidence τ is compared with, the rank that orders posit
 threshold rule commits on the confidence; `RowSchedule` then replaces what the other rules
 decide: the fixed schedule's best `k` by rank, Dream's `alg_temp` fallback, and the random
 rule's positions that fire first on Dream's grid.
+
+A row with its own `seed` draws its noise from a generator seeded by (seed, steps done,
+which draw): what it samples depends on nothing else in the step, so it repeats in any
+batch and on any instance. Only those rows are visited one by one.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dilaserve.decoding import ConfidenceRule, dream_timesteps
@@ -34,6 +39,36 @@ RULE_CODES = {rule: code for code, rule in enumerate(ConfidenceRule)}
 LLADA_RULE = -1
 
 
+# The draws of a step, each from its own stream of a seeded row.
+TOKEN_NOISE, POSITION_NOISE = 0, 1
+
+
+def row_generator(seed: int, step: int, draw: int, device: torch.device) -> torch.Generator:
+    """A generator for one draw of one step of a seeded request: numpy's `SeedSequence`
+    mixes the three into a well-spread 63-bit seed."""
+    entropy = (seed % 2**64, step, draw)
+    mixed = int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0]) >> 1
+    return torch.Generator(device).manual_seed(mixed)
+
+
+@dataclass(frozen=True)
+class SeededRow:
+    """A row that draws from its own stream: at its `step`-th step, `candidates` positions."""
+
+    row: int
+    seed: int
+    step: int
+    candidates: int
+
+    def redraw(self, noise: torch.Tensor, draw: int) -> None:
+        """Overwrites this row's candidate positions of `noise` `[b, m, ...]` (uniforms)."""
+        g = row_generator(self.seed, self.step, draw, noise.device)
+        shape = (self.candidates, *noise.shape[2:])
+        noise[self.row, : self.candidates] = torch.rand(
+            shape, dtype=noise.dtype, device=noise.device, generator=g
+        )
+
+
 def _rows(flags: list[bool], device: torch.device) -> torch.Tensor | None:
     """Row flags on the device, None when no row is flagged (the step skips that rule)."""
     return torch.tensor(flags).to(device) if any(flags) else None
@@ -52,6 +87,7 @@ class RowSampling:
     any_temperature: bool
     filters: bool
     any_alg_temp: bool
+    seeded: tuple[SeededRow, ...]
 
     @classmethod
     def of(cls, states: Sequence[RequestState], device: torch.device) -> RowSampling | None:
@@ -70,6 +106,11 @@ class RowSampling:
             any_temperature=any(s.temperature > 0 for s in states),
             filters=any(s.top_p < 1.0 or s.top_k is not None for s in states),
             any_alg_temp=any(s.alg_temp > 0 for s in states),
+            seeded=tuple(
+                SeededRow(i, s.seed, s.steps_done, s.masked_in_block)
+                for i, s in enumerate(states)
+                if s.seed is not None
+            ),
         )
 
     def scores(
@@ -79,9 +120,7 @@ class RowSampling:
         positions (Dream's scale: negative entropy, not its exponential)."""
         noise = None
         if self.any_temperature:
-            noise = torch.rand(
-                logits.shape, dtype=torch.float64, device=logits.device, generator=generator
-            )
+            noise = self._draw(logits.shape, torch.float64, logits.device, generator, TOKEN_NOISE)
         scaled = keep = None
         if self.filters or self.rules:
             # Dream divides the logits by the temperature before filtering and scoring.
@@ -96,7 +135,7 @@ class RowSampling:
         probability, margin, neg_entropy = dream_scores(scaled, keep, x0)  # type: ignore[arg-type]
         uniform = None
         if ConfidenceRule.RANDOM in self.rules or self.any_alg_temp:
-            uniform = torch.rand(x0.shape, device=logits.device, generator=generator)
+            uniform = self._draw(x0.shape, torch.float32, x0.device, generator, POSITION_NOISE)
         by_rule = {
             ConfidenceRule.PROBABILITY: probability,
             ConfidenceRule.MARGIN: margin,
@@ -114,6 +153,20 @@ class RowSampling:
             drawn = rank / spread + gumbel(uniform)  # type: ignore[arg-type]
             rank = torch.where(spread > 0, drawn, rank)
         return x0, confidence, rank
+
+    def _draw(
+        self,
+        shape: torch.Size,
+        dtype: torch.dtype,
+        device: torch.device,
+        generator: torch.Generator,
+        draw: int,
+    ) -> torch.Tensor:
+        """Uniforms `[b, m, ...]` from the shared `generator`, seeded rows' from their own."""
+        noise = torch.rand(shape, dtype=dtype, device=device, generator=generator)
+        for row in self.seeded:
+            row.redraw(noise, draw)
+        return noise
 
     def _per_rule(
         self, default: torch.Tensor, by_rule: dict[ConfidenceRule, torch.Tensor | None]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from dilaserve.protocol import RequestState, StepEntry
 from dilaserve.worker.runner import StepRunner
@@ -27,8 +28,10 @@ def generate(
     block_length: int = 32,
     threshold: Threshold = 0.9,
     stop_at_eos: bool = False,
+    **options: Any,
 ) -> list[Generation]:
-    """Decodes `prompts` together in one batch until each is done; returns one per prompt."""
+    """Decodes `prompts` together in one batch until each is done; returns one per prompt.
+    `options` are decoding options of `RequestState.new` (temperature, seed, alg, ...)."""
     config = runner.config
     states = [
         RequestState.new(
@@ -38,6 +41,7 @@ def generate(
             block_length=block_length,
             mask_token_id=config.mask_token_id,
             stop_token_ids=config.stop_token_ids if stop_at_eos else (),
+            **options,
         )
         for i, p in enumerate(prompts)
     ]
