@@ -44,9 +44,7 @@ class CommitResult(NamedTuple):
     confidence: torch.Tensor  # [b, m] fp32: softmax prob of x0, -inf where not a candidate
 
 
-def _check_inputs(
-    logits: torch.Tensor, candidate: torch.Tensor, tau: torch.Tensor, ids: torch.Tensor
-) -> None:
+def _check_logits(logits: torch.Tensor, candidate: torch.Tensor) -> tuple[int, int]:
     require(
         logits.dim() == 3, lambda: f"logits must be [b, m, vocab], got shape {tuple(logits.shape)}"
     )
@@ -59,6 +57,23 @@ def _check_inputs(
         logits.dtype in LOGIT_DTYPES,
         lambda: f"logits must be fp32, fp16 or bf16, got {logits.dtype}",
     )
+    require(
+        candidate.shape == (b, m) and candidate.dtype == torch.bool,
+        lambda: (
+            f"candidate must be bool [{b}, {m}], got {candidate.dtype} {tuple(candidate.shape)}"
+        ),
+    )
+    require(
+        candidate.device == logits.device,
+        lambda: f"candidate is on {candidate.device}, logits on {logits.device}",
+    )
+    return b, m
+
+
+def _check_inputs(
+    logits: torch.Tensor, candidate: torch.Tensor, tau: torch.Tensor, ids: torch.Tensor
+) -> None:
+    b, m = _check_logits(logits, candidate)
     _check_commit_args(b, m, candidate, tau, ids, logits)
 
 
@@ -91,15 +106,24 @@ def _check_commit_args(
     )
 
 
+def argmax_confidence_reference(
+    logits: torch.Tensor, candidate: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of `argmax_confidence` (any device)."""
+    _check_logits(logits, candidate)
+    scores = logits.float()
+    best = scores.argmax(dim=-1)
+    top = scores.gather(-1, best[..., None]).squeeze(-1)
+    confidence = torch.exp(top - torch.logsumexp(scores, dim=-1))
+    return torch.where(candidate, best, -1), torch.where(candidate, confidence, -torch.inf)
+
+
 def confidence_commit_reference(
     logits: torch.Tensor, candidate: torch.Tensor, tau: torch.Tensor, ids: torch.Tensor
 ) -> CommitResult:
     """Torch reference of the commit rule (any device); `ids` is updated in place."""
     _check_inputs(logits, candidate, tau, ids)
-    scores = logits.float()
-    best = scores.argmax(dim=-1)
-    top = scores.gather(-1, best[..., None]).squeeze(-1)
-    confidence = torch.exp(top - torch.logsumexp(scores, dim=-1))
+    best, confidence = argmax_confidence_reference(logits, candidate)
     return threshold_commit_reference(best, confidence, candidate, tau, ids)
 
 
@@ -367,20 +391,9 @@ def confidence_commit_triton(
     vocabulary tile width; by default the vocabulary rounded up to a power of two, at most
     MAX_BLOCK_V."""
     _check_inputs(logits, candidate, tau, ids)
-    require_triton(logits)
-    b, m, vocab = logits.shape
-    if block_v is None:
-        block_v = min(triton.next_power_of_2(vocab), MAX_BLOCK_V)
-    require(
-        block_v > 0 and block_v & (block_v - 1) == 0,
-        lambda: f"block_v must be a power of two, got {block_v}",
-    )
+    x0, confidence = argmax_confidence_triton(logits, candidate, block_v=block_v)
+    b, m = x0.shape
     flags = candidate.contiguous().view(torch.int8)
-    x0 = torch.empty((b, m), dtype=torch.int64, device=logits.device)
-    confidence = torch.empty((b, m), dtype=torch.float32, device=logits.device)
-    _argmax_confidence_kernel[(b * m,)](
-        logits, flags, x0, confidence, m, vocab, *logits.stride(), BLOCK_V=block_v
-    )
     committed = torch.empty((b, m), dtype=torch.bool, device=logits.device)
     counts = torch.empty(b, dtype=torch.int64, device=logits.device)
     _threshold_commit_kernel[(b,)](
@@ -396,6 +409,41 @@ def confidence_commit_triton(
         BLOCK_M=commit_width(m),
     )
     return CommitResult(committed, counts, x0, confidence)
+
+
+def argmax_confidence_triton(
+    logits: torch.Tensor, candidate: torch.Tensor, *, block_v: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of `argmax_confidence_reference`: one program per position streams
+    the vocabulary in tiles of `block_v` (a power of two; by default the vocabulary rounded
+    up to one, at most MAX_BLOCK_V)."""
+    _check_logits(logits, candidate)
+    require_triton(logits)
+    b, m, vocab = logits.shape
+    if block_v is None:
+        block_v = min(triton.next_power_of_2(vocab), MAX_BLOCK_V)
+    require(
+        block_v > 0 and block_v & (block_v - 1) == 0,
+        lambda: f"block_v must be a power of two, got {block_v}",
+    )
+    flags = candidate.contiguous().view(torch.int8)
+    x0 = torch.empty((b, m), dtype=torch.int64, device=logits.device)
+    confidence = torch.empty((b, m), dtype=torch.float32, device=logits.device)
+    _argmax_confidence_kernel[(b * m,)](
+        logits, flags, x0, confidence, m, vocab, *logits.stride(), BLOCK_V=block_v
+    )
+    return x0, confidence
+
+
+def argmax_confidence(
+    logits: torch.Tensor, candidate: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each candidate position's argmax id (lowest on ties) and its softmax probability in
+    fp32, -1 and -inf elsewhere: the scores `confidence_commit` commits by, for a step that
+    scores some of its rows otherwise. Triton on CUDA, torch elsewhere."""
+    if use_triton(logits):
+        return argmax_confidence_triton(logits, candidate)
+    return argmax_confidence_reference(logits, candidate)
 
 
 def confidence_commit(

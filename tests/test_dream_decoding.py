@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dilaserve.decoding import ConfidenceRule
-from dilaserve.kernels import threshold_commit_reference
+from dilaserve.kernels import argmax_confidence, threshold_commit_reference
 from dilaserve.models import load_model
 from dilaserve.protocol import RequestState, StepEntry
 from dilaserve.worker.batch_decoding import RowSampling, RowSchedule
@@ -107,16 +107,18 @@ def test_every_rule_scores_rows_like_the_per_row_reference():
     logits = 3 * torch.randn(b, m, vocab, generator=torch.Generator().manual_seed(1))
     sampling = RowSampling.of(states, torch.device("cpu"))
     assert sampling is not None
-    x0, confidence, rank = sampling.scores(logits, torch.Generator().manual_seed(7))
-    # The same draws, in the documented order: token noise, then one uniform per position.
+    x0, confidence = argmax_confidence(logits, torch.ones(b, m, dtype=torch.bool))
+    x0, confidence, rank = sampling.apply(logits, x0, confidence, torch.Generator().manual_seed(7))
+    # Row 0 has no option: the step draws for the others only, in the documented order —
+    # token noise, then one uniform per position.
+    assert sampling.rows.tolist() == list(range(1, b))
     replay = torch.Generator().manual_seed(7)
-    noise = torch.rand(logits.shape, dtype=torch.float64, generator=replay)
-    uniform = torch.rand((b, m), generator=replay)
+    noise = torch.rand((b - 1, m, vocab), dtype=torch.float64, generator=replay)
+    uniform = torch.rand((b - 1, m), generator=replay)
     for i, state in enumerate(states):
         for j in range(m):
-            token, conf, score = _reference_position(
-                logits[i, j], state, noise[i, j], float(uniform[i, j])
-            )
+            drawn = (None, 0.5) if i == 0 else (noise[i - 1, j], float(uniform[i - 1, j]))
+            token, conf, score = _reference_position(logits[i, j], state, *drawn)
             assert int(x0[i, j]) == token, (ROWS[i], j)
             assert float(confidence[i, j]) == pytest.approx(conf, rel=1e-5, abs=1e-6)
             assert float(rank[i, j]) == pytest.approx(score, rel=1e-5, abs=1e-6)

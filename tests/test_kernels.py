@@ -9,6 +9,8 @@ from dilaserve.kernels import (
     CommitResult,
     KernelInputError,
     TritonUnavailableError,
+    argmax_confidence_reference,
+    argmax_confidence_triton,
     confidence_commit,
     confidence_commit_reference,
     confidence_commit_triton,
@@ -91,6 +93,19 @@ def commit_both(
     assert_results_match(got, want)
     assert torch.equal(ids_kernel, ids_ref)
     return got, ids_kernel
+
+
+@pytest.mark.parametrize("dtype", LOGIT_DTYPES)
+def test_argmax_confidence_is_what_the_commit_commits_by(dtype: torch.dtype) -> None:
+    logits = _logits(3, 5, 37, dtype, seed=21)
+    candidate = _candidates(3, 5, seed=22)
+    committed, _ = commit_both(logits, candidate, _tau(0.5, 0.9, 0.2), _ids(3, 5), 16)
+    for x0, confidence in (
+        argmax_confidence_triton(logits, candidate, block_v=16),
+        argmax_confidence_reference(logits, candidate),
+    ):
+        assert torch.equal(x0.cpu(), committed.x0.cpu())
+        torch.testing.assert_close(confidence.cpu(), committed.confidence.cpu())
 
 
 # --- the reference against the rule written out ---------------------------------------------

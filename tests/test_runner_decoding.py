@@ -10,6 +10,7 @@ import torch
 
 from dilaserve.models import load_model, read_config
 from dilaserve.protocol import RequestState, StepEntry
+from dilaserve.worker import batch_decoding
 from dilaserve.worker.runner import StepRunner
 from dilaserve.worker.sampling import sample_tokens, token_probability, top_k_commit
 
@@ -124,6 +125,25 @@ def test_a_seeded_request_decodes_the_same_in_any_batch_and_on_any_instance(mode
     assert batch[1].output_ids == alone.output_ids
     reseeded, _ = _decode(fresh(), prompt, 2 * BLOCK, **{**options, "seed": 4321})
     assert reseeded.output_ids != alone.output_ids
+
+
+def test_only_rows_with_options_go_through_the_full_vocabulary(model, monkeypatch):
+    """One sampled row in a batch of argmax rows: the float64 noise and the sampler see
+    that row alone (at a real vocabulary and batch, the whole batch's would be gigabytes),
+    and the argmax rows commit exactly what they commit without it."""
+    sampled_rows = []
+
+    def spy(logits, *args):
+        sampled_rows.append(logits.shape[0])
+        return sample_tokens(logits, *args)
+
+    monkeypatch.setattr(batch_decoding, "sample_tokens", spy)
+    prompts = [[3, 17, 42, 5, 9], [7, 7], [1, 2, 3, 4, 5, 6]]
+    runner = StepRunner(model, cache="dual", max_requests=3, max_seq_len=64)
+    mixed = _decode_together(runner, prompts, 2 * BLOCK, [{}, {"temperature": 1.5}, {}])
+    assert sampled_rows and set(sampled_rows) == {1}
+    plain = _decode_together(runner, prompts, 2 * BLOCK, [{}, {}, {}])
+    assert [mixed[i].output_ids for i in (0, 2)] == [plain[i].output_ids for i in (0, 2)]
 
 
 def test_gumbel_samples_follow_the_softmax_with_noiseless_confidence():

@@ -76,8 +76,12 @@ def _rows(flags: list[bool], device: torch.device) -> torch.Tensor | None:
 
 @dataclass(frozen=True)
 class RowSampling:
-    """Per-row sampling options of a step in which some row needs the full logits."""
+    """Sampling options of a step's rows that need the full logits (`rows`, an index into
+    the step's batch); the step's other rows keep the fused kernel's argmax and
+    probability, so the full-vocabulary work — float64 noise, sorts, scores — is theirs
+    alone, not the whole batch's."""
 
+    rows: torch.Tensor  # [r] int64 indices of the rows with options
     temperature: torch.Tensor  # [b] float32, as temperatures always were: seeded runs repeat
     top_p: torch.Tensor  # [b] float32, 1: no filter
     top_k: torch.Tensor  # [b] int64, 0: no filter
@@ -93,10 +97,13 @@ class RowSampling:
     def of(cls, states: Sequence[RequestState], device: torch.device) -> RowSampling | None:
         """The step's options; None when every row takes the argmax and its probability
         (the fused kernel's commit)."""
-        if not any(s.needs_full_logits for s in states):
+        picked = [i for i, s in enumerate(states) if s.needs_full_logits]
+        if not picked:
             return None
+        states = [states[i] for i in picked]
         codes = [LLADA_RULE if s.alg is None else RULE_CODES[s.alg] for s in states]
         return cls(
+            rows=torch.tensor(picked).to(device),
             temperature=torch.tensor([s.temperature for s in states]).to(device),
             top_p=torch.tensor([s.top_p for s in states]).to(device),
             top_k=torch.tensor([s.top_k or 0 for s in states]).to(device),
@@ -113,11 +120,29 @@ class RowSampling:
             ),
         )
 
+    def apply(
+        self,
+        logits: torch.Tensor,
+        x0: torch.Tensor,
+        confidence: torch.Tensor,
+        generator: torch.Generator,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's tokens, confidences and ranks `[b, m]`: every row's argmax `x0` and
+        its `confidence` (the fused kernel's, which also rank them), with the rows that
+        have options scored over their own logits instead."""
+        ours = self.scores(logits.index_select(0, self.rows), generator)
+        x0, confidence, rank = (
+            whole.index_copy(0, self.rows, part.to(whole.dtype))
+            for whole, part in zip((x0, confidence, confidence), ours, strict=True)
+        )
+        return x0, confidence, rank
+
     def scores(
         self, logits: torch.Tensor, generator: torch.Generator
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Tokens `[b, m]`, the confidences τ is compared with, and the ranks that order
-        positions (Dream's scale: negative entropy, not its exponential)."""
+        """Tokens `[r, m]` of the rows with options (`logits` are theirs), the confidences
+        τ is compared with, and the ranks that order positions (Dream's scale: negative
+        entropy, not its exponential)."""
         noise = None
         if self.any_temperature:
             noise = self._draw(logits.shape, torch.float64, logits.device, generator, TOKEN_NOISE)

@@ -34,6 +34,7 @@ import torch
 
 from dilaserve.kernels import (
     CommitResult,
+    argmax_confidence,
     confidence_commit,
     partial_ids,
     scatter_kv,
@@ -434,16 +435,17 @@ class StepRunner:
         """Each row's tokens and confidences (the argmax, or sampled and scored by its
         options), its commit — the threshold rule, or its share of the fixed schedule — and
         the steps of Dream's grid it passed."""
-        if sampling is not None:
-            x0, confidence, rank = sampling.scores(logits, self._noise)
-            result = threshold_commit(x0, confidence, candidate, tau, ids)
-        else:
-            if self.group is None:
-                result = confidence_commit(logits, candidate, tau, ids)
-            else:
-                x0, confidence = vocab_parallel_scores(self.model, self.group, logits)  # type: ignore[arg-type]
-                result = threshold_commit(x0, confidence, candidate, tau, ids)
+        if sampling is None and self.group is None:
+            result = confidence_commit(logits, candidate, tau, ids)  # one fused pass
             rank = result.confidence
+        elif sampling is None:  # tensor parallel: the ranks' partials, never their logits
+            x0, confidence = vocab_parallel_scores(self.model, self.group, logits)  # type: ignore[arg-type]
+            result = threshold_commit(x0, confidence, candidate, tau, ids)
+            rank = result.confidence
+        else:  # every logit is here (a tensor-parallel group's gathered on this rank)
+            x0, confidence = argmax_confidence(logits, candidate)
+            x0, confidence, rank = sampling.apply(logits, x0, confidence, self._noise)
+            result = threshold_commit(x0, confidence, candidate, tau, ids)
         schedule = RowSchedule([h.state for h in rows], self.device)
         return schedule.commit(result, rank, candidate, tau, ids, self.config.mask_token_id)
 
