@@ -176,77 +176,86 @@ def main(argv: list[str] | None = None) -> None:
         lambda: (reference_loop(model, prompts[0]), dual_reference_loop(model, prompts[0])), device
     )
 
-    reference, seconds = clock.timed(lambda: [reference_loop(model, p) for p in sequential])
-    ref_rate = tokens_b1 / seconds
-    emit("reference_loop_tokens_per_s", ref_rate, rate_unit, **common)
-    dual_reference, seconds = clock.timed(
-        lambda: [dual_reference_loop(model, p) for p in sequential]
-    )
-    dual_ref_rate = tokens_b1 / seconds
-    emit("dual_reference_loop_tokens_per_s", dual_ref_rate, rate_unit, **common)
-
-    rates: dict[tuple[str, int], float] = {}
-    pool_bytes = 0
-    # No cache at batch 8 would take minutes and compare nothing the issue asks for.
-    for cache, batch in (("none", 1), ("prefix", 1), ("prefix", 8), ("dual", 1), ("dual", 8)):
-        runner = StepRunner(
+    def runner(cache: str, batch: int) -> StepRunner:
+        r = StepRunner(
             model, cache=cache, max_requests=batch, max_seq_len=PROMPT_LENGTH + GEN_LENGTH
         )
-        runner.warm_up()
-        warm(lambda r=runner: run_runner(r, prompts[:1], 1), device)
-        todo = prompts if batch > 1 else sequential
-        before = runner.forward_tokens
-        outs, seconds = clock.timed(lambda r=runner, t=todo, b=batch: run_runner(r, t, b))
-        rates[cache, batch] = len(todo) * GEN_LENGTH / seconds
-        tag = f"{cache}_batch{batch}"
-        emit(f"tokens_per_s_{tag}", rates[cache, batch], rate_unit, **common)
-        emit(f"forward_tokens_{tag}", runner.forward_tokens - before, "tokens", **common)
-        if batch == 1 and cache != "prefix":
-            want = reference if cache == "none" else dual_reference
-            emit(f"matches_reference_{tag}", float(outs == want), "bool", **common)
-        if runner.pool is not None:
-            pool_bytes = runner.pool.bytes_per_token
+        r.warm_up()
+        warm(lambda: run_runner(r, prompts[:1], 1), device)
+        return r
+
+    # Batch 1: each request goes through every contender before the next request starts,
+    # so load that a neighbour adds or removes mid-run falls on all of them alike.
+    contenders = {
+        "reference_loop": lambda p: reference_loop(model, p),
+        "dual_reference_loop": lambda p: dual_reference_loop(model, p),
+    }
+    runners = {f"{cache}_batch1": runner(cache, 1) for cache in ("none", "prefix", "dual")}
+    for tag, r in runners.items():
+        contenders[tag] = lambda p, r=r: run_runner(r, [p], 1)[0]
+    warm_tokens = {tag: r.forward_tokens for tag, r in runners.items()}
+    seconds = dict.fromkeys(contenders, 0.0)
+    outputs: dict[str, list[list[int]]] = {name: [] for name in contenders}
+    for prompt in sequential:
+        for name, run in contenders.items():
+            out, spent = clock.timed(lambda run=run, p=prompt: run(p))
+            seconds[name] += spent
+            outputs[name].append(out)
+    rates = {name: tokens_b1 / spent for name, spent in seconds.items()}
+    emit("reference_loop_tokens_per_s", rates["reference_loop"], rate_unit, **common)
+    emit("dual_reference_loop_tokens_per_s", rates["dual_reference_loop"], rate_unit, **common)
+    # Batch 8 (no cache at batch 8 would take minutes and compare nothing asked for).
+    for cache in ("prefix", "dual"):
+        runners[f"{cache}_batch8"] = r = runner(cache, 8)
+        warm_tokens[f"{cache}_batch8"] = r.forward_tokens
+        outputs[f"{cache}_batch8"], spent = clock.timed(lambda r=r: run_runner(r, prompts, 8))
+        rates[f"{cache}_batch8"] = len(prompts) * GEN_LENGTH / spent
+    for tag, r in runners.items():
+        emit(f"tokens_per_s_{tag}", rates[tag], rate_unit, **common)
+        emit(f"forward_tokens_{tag}", r.forward_tokens - warm_tokens[tag], "tokens", **common)
+    for tag, want in (("none_batch1", "reference_loop"), ("dual_batch1", "dual_reference_loop")):
+        emit(f"matches_reference_{tag}", float(outputs[tag] == outputs[want]), "bool", **common)
 
     emit(
         "ratio_runtime_vs_reference_loop",
-        rates["none", 1] / ref_rate,
+        rates["none_batch1"] / rates["reference_loop"],
         "x",
         baseline="plain reference loop (no cache, batch 1, same model and commits)",
-        ratio=round(rates["none", 1] / ref_rate, 3),
+        ratio=round(rates["none_batch1"] / rates["reference_loop"], 3),
         target=1.5,
         **common,
     )
     emit(
         "ratio_dual_b1_vs_dual_reference_loop",
-        rates["dual", 1] / dual_ref_rate,
+        rates["dual_batch1"] / rates["dual_reference_loop"],
         "x",
         baseline="dual-cache reference loop (batch 1, same model and commits)",
-        ratio=round(rates["dual", 1] / dual_ref_rate, 3),
+        ratio=round(rates["dual_batch1"] / rates["dual_reference_loop"], 3),
         target=1.5,
         **common,
     )
     emit(
         "ratio_batch8_vs_batch1",
-        rates["dual", 8] / rates["dual", 1],
+        rates["dual_batch8"] / rates["dual_batch1"],
         "x",
         baseline="cache dual, batch 1",
-        ratio=round(rates["dual", 8] / rates["dual", 1], 3),
+        ratio=round(rates["dual_batch8"] / rates["dual_batch1"], 3),
         target=3.0,
-        ratio_prefix=round(rates["prefix", 8] / rates["prefix", 1], 3),
+        ratio_prefix=round(rates["prefix_batch8"] / rates["prefix_batch1"], 3),
         **common,
     )
     emit(
         "ratio_dual_vs_none",
-        rates["dual", 1] / rates["none", 1],
+        rates["dual_batch1"] / rates["none_batch1"],
         "x",
         baseline="cache none, batch 1",
-        ratio=round(rates["dual", 1] / rates["none", 1], 3),
+        ratio=round(rates["dual_batch1"] / rates["none_batch1"], 3),
         **common,
     )
     cfg = model.config
     emit(
         "kv_pool_bytes_per_token",
-        pool_bytes,
+        runners["dual_batch1"].pool.bytes_per_token,  # type: ignore[union-attr]
         "bytes",
         baseline="2 x layers x kv_heads x head_dim x dtype bytes",
         expected=2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize,
