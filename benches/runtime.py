@@ -5,7 +5,8 @@ tokens (block 32, τ 0.9) with cache `none` (batch 1), `prefix` and `dual` (batc
 Beside it, in the same process, two straightforward loops over the same model: the plain
 loop (full forward every step, no cache) and a dual-cache loop (a full forward at each
 block start writing the cache, then block-only forwards reading it), both one request at a
-time. On the CPU (the default), rates are generated tokens per second of this process's
+time; at batch 1 each request goes through every contender before the next one starts. On
+the CPU (the default), rates are generated tokens per second of this process's
 CPU time, with one intra-op thread: on a shared machine wall time mostly measures the
 neighbours, CPU time measures the work. With `--device cuda` the model is bfloat16 and
 rates are per wall-clock second, the device synchronised around each timed run; every
@@ -120,6 +121,20 @@ def dual_reference_loop(model, prompt: list[int]) -> list[int]:
                 )[0]
             threshold_commit(x, logits, lo, mask_id)
     return x[0, len(prompt) :].tolist()
+
+
+class TimedModel:
+    """The model, with the clock seconds spent inside its calls counted: how much of a
+    reference loop any runtime making the same model calls could save at most."""
+
+    def __init__(self, model, clock: Clock) -> None:
+        self.model, self.clock, self.seconds = model, clock, 0.0
+        self.config, self.device, self.dtype = model.config, model.device, model.dtype
+
+    def __call__(self, *args, **kwargs):
+        out, spent = self.clock.timed(lambda: self.model(*args, **kwargs))
+        self.seconds += spent
+        return out
 
 
 def run_runner(runner: StepRunner, prompts: list[list[int]], batch: int) -> list[list[int]]:
@@ -252,6 +267,20 @@ def main(argv: list[str] | None = None) -> None:
         ratio=round(rates["dual_batch1"] / rates["none_batch1"], 3),
         **common,
     )
+    if on_cpu:  # on CUDA, timing each call would add the synchronisations it measures
+        loops = (("reference_loop", reference_loop), ("dual_reference_loop", dual_reference_loop))
+        for name, loop in loops:
+            timed_model = TimedModel(model, clock)
+            _, spent = clock.timed(lambda loop=loop, m=timed_model: loop(m, prompts[0]))
+            share = timed_model.seconds / spent
+            emit(
+                f"model_share_{name}",
+                share,
+                "share",
+                baseline="the loop's time inside the model calls a runtime makes too",
+                best_ratio_without_skipping_model_work=round(1 / share, 3),
+                **common,
+            )
     cfg = model.config
     emit(
         "kv_pool_bytes_per_token",
