@@ -242,10 +242,12 @@ def test_replan_from_recent_arrivals_plans_and_applies_the_transition(make_engin
     assert h.engine.reconfigurer.last_plan is result
     expected = [i.degree for i in result.transition.instances] if result.adopted else [1]
     assert degrees == sorted(expected)
-    # Instances the plan launched run at its batch size for their degree.
+    # The plan's batch sizes describe the deployment to the next plan; instances it
+    # launched keep the configured batch-token budget.
     planned = {d.degree: d.batch_tokens for d in result.capacity.degrees if d.batch_tokens}
     launched = [i for i in h.engine.instances.values() if i.id not in before]
     assert launched or not result.adopted
     for inst in launched:
+        assert h.engine.reconfigurer.planned_batch(inst.tp) == planned[inst.tp]
         budget = h.engine.scheduler.instance(inst.id).max_batch_tokens
-        assert budget == planned[inst.tp]
+        assert budget == h.engine.config.max_batch_tokens

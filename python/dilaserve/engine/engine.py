@@ -466,7 +466,6 @@ class Engine:
             node=inst.node,
             kv_tokens=ready.kv_tokens,
             max_requests=ready.max_requests,
-            max_batch_tokens=self.reconfigurer.budget(inst.tp),
         )
         inst.registered = True
         if inst.stopping:

@@ -66,13 +66,15 @@ class Reconfigurer:
         self._membership_again = False
         #: TP degrees of instances lost with their nodes and not replaced yet.
         self._lost: Counter[int] = Counter()
-        #: Batch size per TP degree of the last adopted plan: the batch-token budget the
-        #: instances it launches get in the scheduler (the plan's latencies assume it).
+        #: Batch size per TP degree of the last adopted plan: how the running deployment
+        #: is described to the next plan (the plan's latencies assume it). It is no cap on
+        #: the instances, which keep the configured budget: capping them at it cost 11
+        #: points of attainment on the simulated day trace (`benches/sim.py`).
         self.batch_tokens: dict[int, int] = {}
 
-    def budget(self, tp: int) -> int:
-        """Batch-token budget of a TP-`tp` instance: its degree's planned batch size, or
-        the configured one before any plan chose it."""
+    def planned_batch(self, tp: int) -> int:
+        """Batch size the running TP-`tp` instances are planned at: the last adopted
+        plan's, or the configured budget before any plan chose one."""
         return self.batch_tokens.get(tp, self.engine.config.max_batch_tokens)
 
     def layout(self) -> tuple[list[int], list[int]]:
@@ -91,7 +93,7 @@ class Reconfigurer:
         degrees = {i.tp for i in running}
         deployment = Deployment(
             instances=tuple(Instance(index[i.node], i.tp, i.gpus) for i in running),
-            batch_tokens={d: self.budget(d) for d in degrees},
+            batch_tokens={d: self.planned_batch(d) for d in degrees},
         )
         return deployment, [i.id for i in running]
 

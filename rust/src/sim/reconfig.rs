@@ -3,9 +3,11 @@
 //! execute its Stage-2 sequence one action at a time — a launch is ready after the launch
 //! time; a stop drains the instance by migration and removes it once empty (or, when it is
 //! the last one serving and a launch follows, once its running step ends: its requests
-//! wait for the launch).
+//! wait for the launch). The running deployment is described to the planner with each
+//! degree's batch size of the last adopted plan, as live; instances keep the scheduler's
+//! batch-token budget.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
@@ -47,6 +49,9 @@ pub(super) struct Reconfig {
     recent: VecDeque<Arrival>,
     queue: VecDeque<(Action, Vec<u64>)>,
     running: Option<Running>,
+    /// Batch tokens per TP degree of the last adopted plan (until one: the scheduler's
+    /// budget), which describe the running deployment to the next plan.
+    batch_tokens: BTreeMap<u32, u64>,
 }
 
 impl Reconfig {
@@ -73,6 +78,7 @@ impl Reconfig {
             recent: VecDeque::new(),
             queue: VecDeque::new(),
             running: None,
+            batch_tokens: BTreeMap::new(),
         })
     }
 
@@ -178,7 +184,8 @@ impl Reconfig {
         running.sort_by_key(|s| s.id);
         let ids: Vec<u64> = running.iter().map(|s| s.id).collect();
         let config: &PlannerConfig = &self.options.planner;
-        let batch = sim.sched.config().max_batch_tokens;
+        let default_batch = sim.sched.config().max_batch_tokens;
+        let batch = |degree: u32| *self.batch_tokens.get(&degree).unwrap_or(&default_batch);
         let current = Deployment {
             instances: running
                 .iter()
@@ -188,7 +195,7 @@ impl Reconfig {
                     gpus: s.gpus.clone(),
                 })
                 .collect(),
-            batch_tokens: running.iter().map(|s| (s.tp, batch)).collect(),
+            batch_tokens: running.iter().map(|s| (s.tp, batch(s.tp))).collect(),
         };
         let inputs = PlannerInputs {
             classes: classes_from_arrivals(&arrivals, start, now, &self.options.bins)?,
@@ -203,6 +210,13 @@ impl Reconfig {
         sim.stats.replans += 1;
         if let (true, Some(transition)) = (result.adopted, result.transition) {
             sim.stats.plans_adopted += 1;
+            self.batch_tokens.extend(
+                result
+                    .capacity
+                    .degrees
+                    .iter()
+                    .filter_map(|d| Some((d.degree, d.batch_tokens?))),
+            );
             self.queue
                 .extend(transition.actions.into_iter().map(|a| (a, ids.clone())));
         }
