@@ -53,7 +53,8 @@ def row_generator(seed: int, step: int, draw: int, device: torch.device) -> torc
 
 @dataclass(frozen=True)
 class SeededRow:
-    """A row that draws from its own stream: at its `step`-th step, `candidates` positions."""
+    """A row (of a `RowSampling`'s) that draws from its own stream: at its `step`-th step,
+    `candidates` positions."""
 
     row: int
     seed: int
@@ -82,16 +83,16 @@ class RowSampling:
     alone, not the whole batch's."""
 
     rows: torch.Tensor  # [r] int64 indices of the rows with options
-    temperature: torch.Tensor  # [b] float32, as temperatures always were: seeded runs repeat
-    top_p: torch.Tensor  # [b] float32, 1: no filter
-    top_k: torch.Tensor  # [b] int64, 0: no filter
-    rule: torch.Tensor  # [b] int64 rule codes
-    alg_temp: torch.Tensor  # [b] float32, 0: best first
+    temperature: torch.Tensor  # [r] float32, as temperatures always were: seeded runs repeat
+    top_p: torch.Tensor  # [r] float32, 1: no filter
+    top_k: torch.Tensor  # [r] int64, 0: no filter
+    rule: torch.Tensor  # [r] int64 rule codes
+    alg_temp: torch.Tensor  # [r] float32, 0: best first
     rules: frozenset[ConfidenceRule]
     any_temperature: bool
     filters: bool
     any_alg_temp: bool
-    seeded: tuple[SeededRow, ...]
+    seeded: tuple[SeededRow, ...]  # rows numbered among the `r`
 
     @classmethod
     def of(cls, states: Sequence[RequestState], device: torch.device) -> RowSampling | None:
