@@ -44,36 +44,45 @@ class CommitResult(NamedTuple):
     confidence: torch.Tensor  # [b, m] fp32: softmax prob of x0, -inf where not a candidate
 
 
-def _check_logits(logits: torch.Tensor, candidate: torch.Tensor) -> tuple[int, int]:
+def _check_logit_tensor(logits: torch.Tensor, *, whole_vocab: bool) -> tuple[int, int, int]:
+    """`[b, m, vocab]` of float logits; a vocabulary shard (not `whole_vocab`) may be empty."""
     require(
         logits.dim() == 3, lambda: f"logits must be [b, m, vocab], got shape {tuple(logits.shape)}"
     )
     b, m, vocab = logits.shape
     require(
-        b > 0 and m > 0 and vocab > 0,
+        b > 0 and m > 0 and (vocab > 0 or not whole_vocab),
         lambda: f"logits has an empty dimension: {tuple(logits.shape)}",
     )
     require(
         logits.dtype in LOGIT_DTYPES,
         lambda: f"logits must be fp32, fp16 or bf16, got {logits.dtype}",
     )
+    return b, m, vocab
+
+
+def _check_candidate(b: int, m: int, candidate: torch.Tensor) -> None:
     require(
         candidate.shape == (b, m) and candidate.dtype == torch.bool,
         lambda: (
             f"candidate must be bool [{b}, {m}], got {candidate.dtype} {tuple(candidate.shape)}"
         ),
     )
+
+
+def _check_logits(logits: torch.Tensor, candidate: torch.Tensor) -> None:
+    b, m, _ = _check_logit_tensor(logits, whole_vocab=True)
+    _check_candidate(b, m, candidate)
     require(
         candidate.device == logits.device,
         lambda: f"candidate is on {candidate.device}, logits on {logits.device}",
     )
-    return b, m
 
 
 def _check_inputs(
     logits: torch.Tensor, candidate: torch.Tensor, tau: torch.Tensor, ids: torch.Tensor
 ) -> None:
-    b, m = _check_logits(logits, candidate)
+    b, m, _ = _check_logit_tensor(logits, whole_vocab=True)
     _check_commit_args(b, m, candidate, tau, ids, logits)
 
 
@@ -85,12 +94,7 @@ def _check_commit_args(
     ids: torch.Tensor,
     *scores: torch.Tensor,
 ) -> None:
-    require(
-        candidate.shape == (b, m) and candidate.dtype == torch.bool,
-        lambda: (
-            f"candidate must be bool [{b}, {m}], got {candidate.dtype} {tuple(candidate.shape)}"
-        ),
-    )
+    _check_candidate(b, m, candidate)
     require(
         tau.shape == (b,) and tau.dtype == torch.float32,
         lambda: f"tau must be float32 [{b}], got {tau.dtype} {tuple(tau.shape)}",
@@ -111,6 +115,12 @@ def argmax_confidence_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of `argmax_confidence` (any device)."""
     _check_logits(logits, candidate)
+    return _argmax_confidence(logits, candidate)
+
+
+def _argmax_confidence(
+    logits: torch.Tensor, candidate: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     scores = logits.float()
     best = scores.argmax(dim=-1)
     top = scores.gather(-1, best[..., None]).squeeze(-1)
@@ -123,7 +133,7 @@ def confidence_commit_reference(
 ) -> CommitResult:
     """Torch reference of the commit rule (any device); `ids` is updated in place."""
     _check_inputs(logits, candidate, tau, ids)
-    best, confidence = argmax_confidence_reference(logits, candidate)
+    best, confidence = _argmax_confidence(logits, candidate)
     return threshold_commit_reference(best, confidence, candidate, tau, ids)
 
 
@@ -181,15 +191,7 @@ NO_TOKEN = torch.iinfo(torch.int32).max
 
 
 def _check_shard(logits: torch.Tensor, vocab_offset: int) -> None:
-    require(
-        logits.dim() == 3, lambda: f"logits must be [b, m, vocab], got shape {tuple(logits.shape)}"
-    )
-    b, m, vocab = logits.shape
-    require(b > 0 and m > 0, lambda: f"logits has an empty dimension: {tuple(logits.shape)}")
-    require(
-        logits.dtype in LOGIT_DTYPES,
-        lambda: f"logits must be fp32, fp16 or bf16, got {logits.dtype}",
-    )
+    _, _, vocab = _check_logit_tensor(logits, whole_vocab=False)
     require(
         vocab_offset >= 0 and vocab_offset + vocab < NO_TOKEN,
         lambda: f"vocab_offset {vocab_offset} + shard width {vocab} must lie in [0, {NO_TOKEN})",
@@ -391,7 +393,7 @@ def confidence_commit_triton(
     vocabulary tile width; by default the vocabulary rounded up to a power of two, at most
     MAX_BLOCK_V."""
     _check_inputs(logits, candidate, tau, ids)
-    x0, confidence = argmax_confidence_triton(logits, candidate, block_v=block_v)
+    x0, confidence = _argmax_confidence_triton(logits, candidate, block_v)
     b, m = x0.shape
     flags = candidate.contiguous().view(torch.int8)
     committed = torch.empty((b, m), dtype=torch.bool, device=logits.device)
@@ -418,6 +420,12 @@ def argmax_confidence_triton(
     the vocabulary in tiles of `block_v` (a power of two; by default the vocabulary rounded
     up to one, at most MAX_BLOCK_V)."""
     _check_logits(logits, candidate)
+    return _argmax_confidence_triton(logits, candidate, block_v)
+
+
+def _argmax_confidence_triton(
+    logits: torch.Tensor, candidate: torch.Tensor, block_v: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     require_triton(logits)
     b, m, vocab = logits.shape
     if block_v is None:

@@ -131,12 +131,12 @@ class RowSampling:
         """The step's tokens, confidences and ranks `[b, m]`: every row's argmax `x0` and
         its `confidence` (the fused kernel's, which also rank them), with the rows that
         have options scored over their own logits instead."""
-        ours = self.scores(logits.index_select(0, self.rows), generator)
-        x0, confidence, rank = (
-            whole.index_copy(0, self.rows, part.to(whole.dtype))
-            for whole, part in zip((x0, confidence, confidence), ours, strict=True)
+        tokens, scored, rank = self.scores(logits.index_select(0, self.rows), generator)
+        return (
+            x0.index_copy(0, self.rows, tokens),
+            confidence.index_copy(0, self.rows, scored.to(confidence.dtype)),
+            confidence.index_copy(0, self.rows, rank.to(confidence.dtype)),
         )
-        return x0, confidence, rank
 
     def scores(
         self, logits: torch.Tensor, generator: torch.Generator

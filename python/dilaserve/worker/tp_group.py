@@ -122,16 +122,8 @@ class TensorParallelGroup:
     def gather_partials(self, partials: torch.Tensor) -> torch.Tensor | None:
         """Every rank's `[b, m, 3]` vocabulary partials, stacked `[world, b, m, 3]` on rank
         0 (None elsewhere): the only per-position data the commit exchanges."""
-        partials = partials.contiguous()
-        into = (
-            [torch.empty_like(partials) for _ in range(self.world_size)] if self.rank == 0 else None
-        )
-        self._guard(dist.gather, partials, into, dst=0)
-        self.stats.commit_bytes += partials.numel() * partials.element_size()
-        self.stats.commit_positions += partials.shape[0] * partials.shape[1]
+        into = self._gather_commit(partials.contiguous())
         return None if into is None else torch.stack(into)
-
-    # -- the step plan (rank 0 sends, the others receive) --------------------------------
 
     def gather_logits(self, logits: torch.Tensor, shard_width: int) -> torch.Tensor | None:
         """The whole vocabulary's `[b, m, world × shard_width]` logits on rank 0 (None
@@ -141,11 +133,18 @@ class TensorParallelGroup:
             (*logits.shape[:-1], shard_width), -math.inf, dtype=logits.dtype, device=logits.device
         )
         local[..., : logits.shape[-1]] = logits
+        into = self._gather_commit(local)
+        return None if into is None else torch.cat(into, dim=-1)
+
+    def _gather_commit(self, local: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's `[b, m, ...]` commit data on rank 0 (None elsewhere), counted."""
         into = [torch.empty_like(local) for _ in range(self.world_size)] if self.rank == 0 else None
         self._guard(dist.gather, local, into, dst=0)
         self.stats.commit_bytes += local.numel() * local.element_size()
         self.stats.commit_positions += local.shape[0] * local.shape[1]
-        return None if into is None else torch.cat(into, dim=-1)
+        return into
+
+    # -- the step plan (rank 0 sends, the others receive) --------------------------------
 
     def send_step(self, batch: PackedBatch, full_logits: bool = False) -> None:
         self._send(*pack_step(batch, full_logits))
