@@ -250,6 +250,15 @@ def test_eval_command_prints_one_json_object_per_cell(capsys, tmp_path, untraine
     assert plot.stat().st_size > 0
 
 
+def test_eval_command_writes_no_plot_unless_asked(capsys, tmp_path, untrained_dir, monkeypatch):
+    from dilaserve.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    args = ["eval", "--json", "--n", "2", "--thresholds", "0.9", "--caches", "none"]
+    assert main([*args, "--model", str(untrained_dir)]) == 0
+    assert list(tmp_path.iterdir()) == []
+
+
 # -- the shipped model --------------------------------------------------------------------
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from dilaserve.bench.client import Client
 from dilaserve.bench.report import summarize
-from dilaserve.bench.workload import poisson_times, read_trace, task_arrivals, trace_arrivals
+from dilaserve.bench.workload import poisson_times, task_arrivals, trace_arrivals
 from dilaserve.cli import build_parser
 from dilaserve.cli.serve import (
     DEFAULTS,
@@ -22,8 +22,7 @@ from dilaserve.cli.serve import (
     settings_from,
 )
 from dilaserve.scheduler import Policy
-
-TRACE = "../shared/traces/azure_llm_2023_conv.csv"
+from dilaserve.traces import AZURE_CONV, read_trace
 
 
 def test_instances_spec():
@@ -68,7 +67,7 @@ def test_poisson_and_trace_workloads():
     assert 900 < len(times) < 1100 and times == sorted(times)
     arrivals = task_arrivals(times[:10], seed=1)
     assert [a.time for a in arrivals] == times[:10]
-    trace = read_trace(TRACE)
+    trace = read_trace(AZURE_CONV)
     assert len(trace) == 19366 and trace[0][0] == 0.0
     # The trace's own rate is 5.5 req/s; compressed or stretched, the mean rate holds (it
     # used to be inverted). Its first minutes run below the mean: 1004 of 1200.

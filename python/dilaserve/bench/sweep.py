@@ -15,13 +15,14 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from dilaserve.traces import read_trace
+
 from .client import Client
 from .report import Summary, summarize
 from .workload import (
     Arrival,
     gamma_times,
     poisson_times,
-    read_trace,
     task_arrivals,
     trace_arrivals,
 )

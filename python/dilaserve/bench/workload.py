@@ -3,11 +3,8 @@ each arrival, a task problem of the embedded model's suite, so every answer is c
 
 from __future__ import annotations
 
-import csv
 import random
 from dataclasses import dataclass
-from datetime import datetime
-from pathlib import Path
 
 from dilaserve.tiny.tasks import Problem, make_problems
 
@@ -38,20 +35,6 @@ def gamma_times(rate: float, cv: float, duration: float, rng: random.Random) -> 
         times.append(t)
         t += rng.gammavariate(shape, 1.0 / (rate * shape))
     return times
-
-
-def read_trace(path: str | Path) -> list[tuple[float, int, int]]:
-    """`(seconds since the first request, context tokens, generated tokens)` of an Azure
-    LLM trace CSV (`TIMESTAMP, ContextTokens, GeneratedTokens`)."""
-    rows = []
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            stamp = datetime.fromisoformat(row["TIMESTAMP"].strip()[:26])
-            rows.append((stamp.timestamp(), int(row["ContextTokens"]), int(row["GeneratedTokens"])))
-    if not rows:
-        raise ValueError(f"{path}: no requests")
-    start = min(r[0] for r in rows)
-    return sorted((t - start, c, g) for t, c, g in rows)
 
 
 def compressed(trace: list[tuple[float, int, int]], rate: float) -> list[tuple[float, int, int]]:

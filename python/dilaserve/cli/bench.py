@@ -13,6 +13,7 @@ import sys
 from tqdm import tqdm
 
 from dilaserve.bench import POLICY_FLAGS, SweepSpec, plot, run_sweep
+from dilaserve.traces import TRACE_HELP
 
 
 def _floats(text: str) -> list[float]:
@@ -37,7 +38,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per rate")
     p.add_argument("--arrivals", choices=["poisson", "gamma", "trace"], default="poisson")
     p.add_argument("--gamma-cv", type=float, default=2.0, help="burstiness of gamma arrivals")
-    p.add_argument("--trace", help="request trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens)")
+    p.add_argument("--trace", help=TRACE_HELP)
     p.add_argument("--length-scale", type=float, default=0.1, help="trace output length factor")
     p.add_argument("--slo-scale", type=float, default=5.0, help="SLO = scale x isolated latency")
     p.add_argument("--seed", type=int, default=0)

@@ -23,7 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description=(
             "Decode held-out problems of the dilaserve-tiny task suite under every threshold "
             "and KV-cache mode; report accuracy, mean steps, tokens per step and tokens/s, "
-            "and save a PNG plot of accuracy and steps against the threshold."
+            "and, with --plot, save a PNG plot of accuracy and steps against the threshold."
         ),
     )
     p.add_argument("--json", action="store_true", help="one JSON object per (τ, cache) line")
@@ -35,7 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--block-length", type=int, default=32)
     p.add_argument("--batch-size", type=int, default=64, help="problems decoded together")
-    p.add_argument("--plot", default="dilaserve-eval.png", help="PNG file to write")
+    p.add_argument("--plot", help="PNG file to write the plot to (none without it)")
     add_model_arguments(p)
     p.set_defaults(run=run)
 
@@ -60,8 +60,9 @@ def run(args: argparse.Namespace) -> int:
     )
     if not args.json:
         print(format_table(rows))
-    path = plot(rows, args.plot)
-    print(f"plot saved to {path}", file=sys.stderr)
+    if args.plot:
+        path = plot(rows, args.plot)
+        print(f"plot saved to {path}", file=sys.stderr)
     return 0
 
 

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import sys
 from dataclasses import asdict
-from datetime import datetime
 from pathlib import Path
 
 from dilaserve.models import allowed_degrees, check_degree, read_config
@@ -26,6 +24,7 @@ from dilaserve.planner import (
     plan,
 )
 from dilaserve.profiles import SIMULATED_LLADA8B
+from dilaserve.traces import TRACE_HELP, read_trace
 
 ALL_DEGREES = (1, 2, 4, 8)
 
@@ -51,9 +50,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--trace",
-        type=Path,
         required=True,
-        help="CSV with TIMESTAMP, ContextTokens, GeneratedTokens",
+        help=TRACE_HELP,
     )
     p.add_argument("--nodes", type=int, default=4)
     p.add_argument("--gpus-per-node", type=int, default=4)
@@ -88,22 +86,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def read_trace(path: Path) -> list[Arrival]:
-    """Arrivals of an Azure-LLM-style CSV, times in seconds after the first arrival."""
-    with path.open(newline="") as f:
-        rows = list(csv.DictReader(f))
-    needed = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"}
-    if not rows or not needed <= set(rows[0]):
-        raise ValueError(f"{path}: expected a CSV with columns {sorted(needed)}")
-    try:
-        stamps = [datetime.fromisoformat(r["TIMESTAMP"]).timestamp() for r in rows]
-        first = min(stamps)
-        return [
-            Arrival(t - first, int(r["ContextTokens"]), int(r["GeneratedTokens"]))
-            for t, r in zip(stamps, rows, strict=True)
-        ]
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from e
+def trace_arrivals(trace: str) -> list[Arrival]:
+    """The planner's arrivals of a trace CSV (or a shipped trace's name)."""
+    return [Arrival(t, prompt, output) for t, prompt, output in read_trace(trace)]
 
 
 def _share(value: float) -> float:
@@ -159,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     if args.nodes <= 0 or args.gpus_per_node <= 0:
         raise ValueError("--nodes and --gpus-per-node must be positive")
     profile = LatencyProfile.load(args.profile)
-    arrivals = read_trace(args.trace)
+    arrivals = trace_arrivals(args.trace)
     start = args.window_start
     classes = classes_from_arrivals(
         arrivals,

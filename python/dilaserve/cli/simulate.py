@@ -14,7 +14,6 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dilaserve.bench.report import plot
-from dilaserve.bench.workload import read_trace
 from dilaserve.cli.serve import parse_instances
 from dilaserve.planner import FAST_DLLM_THRESHOLDS
 from dilaserve.predictor import progress as progress_model
@@ -22,6 +21,7 @@ from dilaserve.profiles import SIMULATED_LLADA8B
 from dilaserve.scheduler import LatencyProfile
 from dilaserve.sim import POLICIES, ClusterSetup, Workload, policy_named, simulate
 from dilaserve.tiny import default_model_dir
+from dilaserve.traces import TRACE_HELP, read_trace
 
 #: ShareGPT-like (prompt, output) lengths when no trace is given (DESIGN §9 medians).
 DEFAULT_LENGTHS = [(28, 224), (140, 264), (344, 544), (1698, 928)]
@@ -56,7 +56,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gamma-cv", type=float, default=2.0)
     p.add_argument(
         "--trace",
-        help="request trace CSV; lengths (and arrivals with --arrivals trace) come from it",
+        help=f"{TRACE_HELP}; lengths (and arrivals with --arrivals trace) come from it",
     )
     p.add_argument("--slo-scale", type=float, default=5.0, help="SLO = scale x isolated latency")
     p.add_argument(
