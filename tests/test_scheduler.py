@@ -179,6 +179,9 @@ def test_deadline_admission_rejects_what_cannot_finish_in_time(profile: LatencyP
             assert s.active_requests == 21
         # A request with room to spare is always admitted.
         s.arrive(100, arrival=0.0, deadline=1e6, prompt_len=10, output_len=32)
+        # One whose deadline is only the server's default is never refused for it.
+        s.arrive(101, **hopeless, explicit_deadline=False)
+        assert s.active_requests == (21 if admission == "reject" else 22) + 1
 
 
 def test_load_control_caps_later_requests(profile: LatencyProfile) -> None:

@@ -469,6 +469,11 @@ class Scheduler:
         """Candidate thresholds, ascending."""
         return self._core.thresholds
 
+    def set_predictor_rates(self, points: Sequence[tuple[float, float]]) -> None:
+        """Predicts remaining steps from this mean-rate table from each live request's
+        next refresh on (a table learned while serving)."""
+        self._core.set_predictor_rates([tuple(p) for p in points])
+
     @property
     def active_requests(self) -> int:
         return self._core.active_requests
@@ -496,12 +501,16 @@ class Scheduler:
         priority: int = 0,
         block_length: int | None = None,
         thresholds: Sequence[float] | None = None,
+        explicit_deadline: bool = True,
     ) -> None:
         """Admits a request; `deadline` is absolute, on the clock of `schedule(now)`.
 
         While the cluster is overloaded (`overloaded`) and `SchedulerConfig.max_queued`
-        requests already wait for their first step, raises `AdmissionError`. A request past
-        its deadline still runs to completion unless cancelled.
+        requests already wait for their first step, raises `AdmissionError`. Deadline
+        admission (`Policy.admission`) refuses only a request whose deadline the caller
+        asked for (`explicit_deadline`); one with the server's default deadline that it
+        would refuse is served best-effort. A request past its deadline still runs to
+        completion unless cancelled.
         """
         self._core.arrive(
             request_id,
@@ -512,6 +521,7 @@ class Scheduler:
             priority=priority,
             block_length=block_length,
             thresholds=None if thresholds is None else list(thresholds),
+            explicit_deadline=explicit_deadline,
         )
 
     def step_done(

@@ -251,3 +251,22 @@ def test_replan_from_recent_arrivals_plans_and_applies_the_transition(make_engin
         assert h.engine.reconfigurer.planned_batch(inst.tp) == planned[inst.tp]
         budget = h.engine.scheduler.instance(inst.id).max_batch_tokens
         assert budget == h.engine.config.max_batch_tokens
+
+
+def test_requests_submitted_together_are_admitted_all_or_none(shared_engine):
+    h = shared_engine
+    good, bad = GenerationParams(max_tokens=8), GenerationParams(max_tokens=10**9)
+
+    def submit(items):
+        return h.engine.add_requests(items)
+
+    with pytest.raises(BadRequestError) as info:
+        h.call(submit, [("12345+67890=", good), ("11111+22222=", bad), ("23456+11111=", good)])
+    assert info.value.index == 1
+    assert h.engine.active_requests == 0
+
+    async def both():
+        reqs = submit([("12345+67890=", good), ("11111+22222=", good)])
+        return [[o async for o in h.engine.outputs(r)][-1].text for r in reqs]
+
+    assert h.run(both()) == ["80235", "33333"]

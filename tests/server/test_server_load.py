@@ -98,3 +98,24 @@ def test_over_the_admission_limit_is_429_with_retry_after(start_server):
     status, headers, body = asyncio.run(asyncio.wait_for(scenario(), 120))
     assert status == 429 and int(headers["Retry-After"]) >= 1
     assert body["error"]["type"] == "rate_limit_error"
+
+
+def test_a_burst_that_asks_for_no_deadline_is_never_refused(start_server):
+    """Clients that set no SLO (lm-eval, LangChain) get no 429 for a predicted deadline
+    miss: a burst of 120 on three instances is served whole."""
+    live = start_server(instances=(1, 1, 1))
+    problems = make_problems(120, SEED + 2, tasks=("add", "rep"))
+
+    async def burst():
+        client = _async_client(live)
+        return await asyncio.gather(
+            *(
+                client.completions.create(
+                    model="dilaserve-tiny", prompt=p.prompt, max_tokens=gen_length(p, 32)
+                )
+                for p in problems
+            )
+        )
+
+    answers = asyncio.run(burst())
+    assert len(answers) == 120 and all(a.choices[0].text for a in answers)

@@ -16,7 +16,7 @@ from dilaserve.planner import (
     ThresholdOption,
     mean_isolated_latency,
 )
-from dilaserve.protocol import CacheMode, RequestState, TokenStateError
+from dilaserve.protocol import CacheMode, RequestState, TokenStateError, whole_blocks
 
 from .config import EngineConfig, GenerationParams
 from .errors import BadRequestError
@@ -28,20 +28,30 @@ class RequestBuilder:
         self.profile = profile
         _, self.model_config = read_config(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
+        #: Most characters one token of the vocabulary spells (at least 1).
+        self.max_token_chars = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
 
     def build(
         self, request_id: int, prompt: str | Sequence[int], params: GenerationParams
     ) -> tuple[RequestState, float]:
-        """The request's token state and its SLO in seconds; raises `BadRequestError`."""
+        """The request's token state and its SLO in seconds; raises `BadRequestError`.
+        Sizes are checked against the model's context before anything is allocated."""
         params.validate()
         ids = self.prompt_ids(prompt)
         c, mc = self.config, self.model_config
+        block_length = params.block_length or c.block_length
+        positions = whole_blocks(params.max_tokens or c.default_max_tokens, block_length)
+        if len(ids) + positions > mc.max_position_embeddings:
+            raise BadRequestError(
+                f"{len(ids)} prompt tokens plus {positions} output positions exceed the "
+                f"model's context of {mc.max_position_embeddings} tokens"
+            )
         try:
             state = RequestState.new(
                 request_id,
                 ids,
                 params.max_tokens or c.default_max_tokens,
-                block_length=params.block_length or c.block_length,
+                block_length=block_length,
                 mask_token_id=mc.mask_token_id,
                 stop_token_ids=mc.stop_token_ids if c.stop_at_eos else (),
                 temperature=params.temperature,
@@ -54,15 +64,25 @@ class RequestBuilder:
             )
         except TokenStateError as exc:
             raise BadRequestError(str(exc)) from exc
-        if state.seq_length > mc.max_position_embeddings:
-            raise BadRequestError(
-                f"{len(ids)} prompt tokens plus {state.output_length} output positions exceed "
-                f"the model's context of {mc.max_position_embeddings} tokens"
-            )
         slo = params.slo_s or c.slo_scale * self.isolated_latency(len(ids), state.output_length)
         return state, slo
 
     def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """The prompt's token ids; one that cannot fit the context is refused before it is
+        tokenized or scanned (no token covers more than `max_token_chars` characters)."""
+        mc = self.model_config
+        context = mc.max_position_embeddings
+        # Normalisers may merge characters: the bound on a text keeps a factor 2 of slack.
+        if isinstance(prompt, str) and len(prompt) >= 2 * context * self.max_token_chars:
+            raise BadRequestError(
+                f"the prompt's {len(prompt)} characters cannot fit the model's context of "
+                f"{context} tokens"
+            )
+        if not isinstance(prompt, str) and len(prompt) >= context:
+            raise BadRequestError(
+                f"the prompt's {len(prompt)} tokens leave no room for output in the model's "
+                f"context of {context} tokens"
+            )
         if isinstance(prompt, str):
             try:
                 ids = encode_prompt(self.tokenizer, prompt)
@@ -72,7 +92,6 @@ class RequestBuilder:
             ids = [int(t) for t in prompt]
         if not ids:
             raise BadRequestError("the prompt is empty")
-        mc = self.model_config
         bad = [t for t in ids if not 0 <= t < mc.vocab_size or t == mc.mask_token_id]
         if bad:
             raise BadRequestError(

@@ -18,10 +18,11 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 
-from dilaserve.planner import Arrival
+from dilaserve.planner import FAST_DLLM_THRESHOLDS, Arrival
 from dilaserve.predictor.serving import predictor_for
 from dilaserve.protocol import (
     CacheMode,
+    RequestState,
     Shutdown,
     StepCommand,
     StepEntry,
@@ -45,6 +46,7 @@ from .config import EngineConfig, GenerationParams
 from .degrees import ModelDegrees
 from .errors import (
     BadRequestError,
+    EngineError,
     EngineStoppedError,
     OverloadedError,
     RequestCancelledError,
@@ -54,7 +56,8 @@ from .errors import (
 from .instances import InflightStep, InstanceRecord, StepTimes
 from .launcher import Launcher, LocalLauncher, WorkerHandle, WorkerSpec
 from .profiles import load_or_measure_profile
-from .quality import quality_floor
+from .quality import default_slo_thresholds, quality_floor
+from .rates import MIN_STEPS, OnlineRates
 from .reconfigure import Reconfigurer
 from .requests import RequestOutput, RequestStats, TrackedRequest
 from .transport import SendError, WorkerChannel
@@ -123,6 +126,11 @@ class Engine:
         self.planner_degrees = self.degrees.for_planner(c, self.profile)
         self.builder = RequestBuilder(c, self.model_dir, self.profile)
         self.tokenizer = self.builder.tokenizer
+        self._learns_predictor = served.model is None
+        self.rates = None if served.rates is not None else self._assume_rates()
+        self.default_slo_thresholds = default_slo_thresholds(
+            c.thresholds, self.model_dir, c.max_accuracy_drop
+        )
         self.scheduler = Scheduler(
             self.profile,
             SchedulerConfig(
@@ -177,42 +185,116 @@ class Engine:
         """Seconds on the scheduler's clock."""
         return time.monotonic() - self._t0
 
+    def _assume_rates(self) -> OnlineRates:
+        rates = OnlineRates(
+            [(o.threshold, o.tokens_per_step) for o in FAST_DLLM_THRESHOLDS],
+            self.config.thresholds,
+        )
+        log.warning(
+            "tokens per step per threshold are assumed (Fast-dLLM's GSM8K figures for "
+            "LLaDA-8B: %s) until measured on %s: each threshold's own rate replaces them once "
+            "it has run %d steps; default SLOs and predictions follow",
+            ", ".join(f"τ {t}: {r:.2f}" for t, r in rates.table),
+            self.model_dir,
+            MIN_STEPS,
+        )
+        return rates
+
+    def tokens_per_step(self) -> dict:
+        """The served model's tokens per step per threshold, and whether they are given
+        (`measured` on the checkpoint, or configured), `assumed`, or `learned` here."""
+        if self.rates is None:
+            return {"source": "measured", "table": self.config.predictor_rates}
+        source = "learned" if self.rates.measured else "assumed"
+        return {"source": source, "measured": self.rates.measured, "table": self.rates.table}
+
+    def _learn_rates(self, req: TrackedRequest, committed: int) -> None:
+        """Counts a step towards the served model's rates; adopts a revised table."""
+        if self.rates is None or req.state.steps_per_block is not None:
+            return
+        if not self.rates.record(req.taus[-1], committed):
+            return
+        table = self.rates.table
+        log.info(
+            "tokens per step learned from served requests: %s (measured: %s)",
+            ", ".join(f"τ {t}: {r:.2f}" for t, r in table),
+            self.rates.measured,
+        )
+        self.config = dataclasses.replace(self.config, predictor_rates=table)
+        self.builder.config = self.config
+        if self._learns_predictor:
+            self.scheduler.set_predictor_rates(table)
+
     # -- requests --------------------------------------------------------------------------
 
     def add_request(
         self, prompt: str | Sequence[int], params: GenerationParams | None = None
     ) -> TrackedRequest:
         """Admits a request; raises `BadRequestError` or `OverloadedError` at once."""
+        return self.add_requests([(prompt, params or GenerationParams())])[0]
+
+    def add_requests(
+        self, requests: Sequence[tuple[str | Sequence[int], GenerationParams]]
+    ) -> list[TrackedRequest]:
+        """Admits several requests as one (a list of prompts, `n` samples): each is its own
+        request to the scheduler, all are checked before any is admitted, and if one is
+        refused none stays. A bad one raises `BadRequestError` with its `index`."""
         if not self._running:
             raise EngineStoppedError("the engine is not running")
-        params = params or GenerationParams()
-        rid = self._next_request_id
-        state, slo = self.builder.build(rid, prompt, params)
+        built = []
+        for index, (prompt, params) in enumerate(requests):
+            try:
+                state, slo = self.builder.build(self._next_request_id + index, prompt, params)
+            except BadRequestError as exc:
+                raise BadRequestError(str(exc), index) from exc
+            built.append((state, slo, params))
+        self._next_request_id += len(built)
+        admitted: list[TrackedRequest] = []
+        try:
+            for index, (state, slo, params) in enumerate(built):
+                admitted.append(self._admit(index, state, slo, params))
+        except EngineError:
+            for req in admitted:
+                self._fail(req, RequestCancelledError(f"request {req.id}: a sibling was refused"))
+            raise
+        self._wake.set()
+        return admitted
+
+    def _admit(
+        self, index: int, state: RequestState, slo: float, params: GenerationParams
+    ) -> TrackedRequest:
         now = self.now()
         pinned = params.threshold
+        thresholds = None if pinned is None else [self._nearest_candidate(pinned)]
+        if thresholds is None and params.slo_s is None:
+            thresholds = self.default_slo_thresholds
         try:
             self.scheduler.arrive(
-                rid,
+                state.request_id,
                 arrival=now,
                 deadline=now + slo,
                 prompt_len=state.prompt_length,
                 output_len=state.output_length,
                 priority=params.priority,
                 block_length=state.block_length,
-                thresholds=None if pinned is None else [self._nearest_candidate(pinned)],
+                thresholds=thresholds,
+                explicit_deadline=params.slo_s is not None,
             )
         except AdmissionError as exc:
             raise OverloadedError(str(exc)) from exc
         except SchedulerError as exc:
-            raise BadRequestError(str(exc)) from exc
-        self._next_request_id += 1
+            raise BadRequestError(str(exc), index) from exc
         req = TrackedRequest(state=state, arrival=now, slo_s=slo, pinned_tau=pinned)
-        self._requests[rid] = req
+        self._requests[req.id] = req
         self._arrivals.append(Arrival(now, state.prompt_length, state.output_length))
         while self._arrivals and self._arrivals[0].time < now - ARRIVAL_HISTORY_S:
             self._arrivals.popleft()
-        self._wake.set()
         return req
+
+    def encode(self, prompt: str) -> list[int]:
+        """A prompt's token ids, checked against the model (`BadRequestError`). Safe to run
+        in a worker thread, so that long prompts never hold up the engine's loop."""
+        return self.builder.prompt_ids(prompt)
 
     async def generate(
         self, prompt: str | Sequence[int], params: GenerationParams | None = None
@@ -220,6 +302,13 @@ class Engine:
         """Yields an update each time blocks are complete, the last with `finished` and
         the request's statistics. Leaving the iteration early cancels the request."""
         req = self.add_request(prompt, params)
+        async with contextlib.aclosing(self.outputs(req)) as outputs:
+            async for output in outputs:
+                yield output
+
+    async def outputs(self, req: TrackedRequest) -> AsyncIterator[RequestOutput]:
+        """The updates of an admitted request (see `generate`); leaving the iteration early
+        cancels it."""
         finished = False
         try:
             while True:
@@ -342,6 +431,7 @@ class Engine:
             threads=c.worker_threads,
             devices=tuple(c.device if c.device == "cpu" else f"{c.device}:{g}" for g in inst.gpus),
             node=inst.node,
+            keys=self._channel.worker_keys,
         )
         try:
             handle = await self.launcher.launch(spec)
@@ -497,6 +587,7 @@ class Engine:
             if req is None:
                 continue  # cancelled while its step ran
             req.apply(out)
+            self._learn_rates(req, len(out.committed_tokens))
             stepped.append(req)
             results.append(
                 StepResult(

@@ -9,7 +9,12 @@ class EngineError(RuntimeError):
 
 
 class BadRequestError(EngineError, ValueError):
-    """The request itself is invalid (empty prompt, too long, τ outside (0, 1], ...)."""
+    """The request itself is invalid (empty prompt, too long, τ outside (0, 1], ...).
+    `index`: which of several requests submitted together (`Engine.add_requests`)."""
+
+    def __init__(self, message: str, index: int | None = None) -> None:
+        super().__init__(message)
+        self.index = index
 
 
 class OverloadedError(EngineError):

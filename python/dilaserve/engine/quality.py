@@ -70,3 +70,15 @@ def quality_floor(
         allowed[-1],
     )
     return allowed
+
+
+def default_slo_thresholds(
+    candidates: Sequence[float], model_dir: str | Path, max_drop: float | None
+) -> list[float] | None:
+    """The thresholds a request whose SLO is only the server's default may run at: all
+    of the quality floor's (None) where the model's accuracy is measured or no floor is
+    set, else the top one alone. A client that never asked for a deadline never has its
+    answer's quality traded, unmeasured, for one."""
+    if max_drop is None or measured_accuracy(model_dir) is not None:
+        return None
+    return [max(candidates)]

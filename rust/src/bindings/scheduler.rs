@@ -281,6 +281,14 @@ impl PyScheduler {
         })
     }
 
+    /// Replaces the step predictor with a mean-rate table of `(threshold, tokens per
+    /// step)` points.
+    fn set_predictor_rates(&mut self, points: Vec<(f64, f64)>) -> PyResult<()> {
+        let predictor = MeanRatePredictor::new(&points)?;
+        self.inner.set_predictor(Box::new(predictor));
+        Ok(())
+    }
+
     /// Candidate thresholds, ascending.
     #[getter]
     fn thresholds(&self) -> Vec<f64> {
@@ -306,7 +314,7 @@ impl PyScheduler {
 
     #[pyo3(signature = (
         id, *, arrival, deadline, prompt_len, output_len, priority=0, block_length=None,
-        thresholds=None,
+        thresholds=None, explicit_deadline=true,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn arrive(
@@ -319,6 +327,7 @@ impl PyScheduler {
         priority: i32,
         block_length: Option<i64>,
         thresholds: Option<Vec<f64>>,
+        explicit_deadline: bool,
     ) -> PyResult<()> {
         let id = id.0;
         let invalid = |reason| SchedError::InvalidRequest { id, reason };
@@ -333,6 +342,7 @@ impl PyScheduler {
                 .map(|b| count("block_length", b, invalid))
                 .transpose()?,
             thresholds,
+            explicit_deadline,
         };
         Ok(self.inner.arrive(spec)?)
     }

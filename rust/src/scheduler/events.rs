@@ -45,6 +45,8 @@ impl Scheduler {
     ///
     /// While the last round found the cluster overloaded, an arrival is rejected with
     /// [`SchedError::Admission`] once `max_queued` requests wait for their first step.
+    /// Deadline admission refuses only requests with an explicit deadline; others it
+    /// would refuse are served best-effort.
     pub fn arrive(&mut self, spec: RequestSpec) -> Result<(), SchedError> {
         if self.requests.contains(spec.id) {
             return Err(SchedError::DuplicateRequest(spec.id));
@@ -95,8 +97,8 @@ impl Scheduler {
         if let Some(refusal) = self.refusal(&spec, &request, lowest) {
             match self.config.policy.admission {
                 Admission::Off => {}
-                Admission::Reject => return Err(refusal),
-                Admission::BestEffort => request.seq |= BEST_EFFORT,
+                Admission::Reject if spec.explicit_deadline => return Err(refusal),
+                Admission::Reject | Admission::BestEffort => request.seq |= BEST_EFFORT,
             }
         }
         self.backlog_lowest += self.scratch.arrival_loads[lowest];

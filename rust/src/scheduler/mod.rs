@@ -193,6 +193,12 @@ impl Scheduler {
         &self.config
     }
 
+    /// Replaces the step predictor (a mean-rate table learned while serving, say): each
+    /// live request is predicted by it from its next refresh on.
+    pub fn set_predictor(&mut self, predictor: Box<dyn StepPredictor>) {
+        self.predictor = predictor;
+    }
+
     pub fn profile(&self) -> &LatencyProfile {
         &self.profile
     }

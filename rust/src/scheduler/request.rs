@@ -25,6 +25,9 @@ pub struct RequestSpec {
     pub block_length: Option<u32>,
     /// Thresholds this request accepts (a subset of the candidates); `None` allows all.
     pub thresholds: Option<Vec<f64>>,
+    /// The caller asked for this deadline. A request whose deadline is only the server's
+    /// default is never refused for a predicted miss: admission serves it best-effort.
+    pub explicit_deadline: bool,
 }
 
 impl RequestSpec {
@@ -39,6 +42,7 @@ impl RequestSpec {
             output_len,
             block_length: None,
             thresholds: None,
+            explicit_deadline: true,
         }
     }
 }

@@ -1,0 +1,74 @@
+"""Tokens per step per threshold of the served model, learned from the steps it serves.
+
+A checkpoint without a measured rate table (`predictor_rates.json`) is served with
+Fast-dLLM's GSM8K figures, which describe LLaDA-8B on maths, not this model: default SLOs
+(a multiple of the latency alone at the top threshold) and the mean-rate predictor are then
+off by the ratio of the two rates. The engine records every step's commits under the τ it
+ran; once a threshold has `MIN_STEPS` steps its measured mean replaces the assumption, and
+thresholds not yet measured take the assumption scaled by how far off it was where measured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from statistics import median
+
+import numpy as np
+
+#: Steps at one threshold before its measured mean replaces the assumed rate.
+MIN_STEPS = 200
+#: Recorded steps between two revisions of the table.
+REVISE_EVERY = 100
+
+
+class OnlineRates:
+    def __init__(self, assumed: Sequence[tuple[float, float]], thresholds: Sequence[float]):
+        self.assumed = tuple(sorted(assumed))
+        self.thresholds = tuple(sorted(thresholds))
+        self._steps = dict.fromkeys(self.thresholds, 0)
+        self._tokens = dict.fromkeys(self.thresholds, 0)
+        self._since_revision = 0
+        #: The current table, `(τ, tokens per step)` ascending; the assumption until learned.
+        self.table = tuple((t, self._assumed(t)) for t in self.thresholds)
+
+    def record(self, tau: float, committed: int) -> bool:
+        """Counts one request's step; returns whether the table was revised."""
+        if tau not in self._steps:
+            return False  # a pinned τ between the candidates
+        self._steps[tau] += 1
+        self._tokens[tau] += committed
+        self._since_revision += 1
+        if self._since_revision < REVISE_EVERY:
+            return False
+        self._since_revision = 0
+        table = self._learned()
+        if table == self.table:
+            return False
+        self.table = table
+        return True
+
+    @property
+    def measured(self) -> tuple[float, ...]:
+        """Thresholds whose rate is measured on this model."""
+        return tuple(t for t in self.thresholds if self._steps[t] >= MIN_STEPS)
+
+    def _learned(self) -> tuple[tuple[float, float], ...]:
+        measured = self.measured
+        if not measured:
+            return self.table
+        scale = median(self._tokens[t] / self._steps[t] / self._assumed(t) for t in measured)
+        rates = {
+            t: self._tokens[t] / self._steps[t] if t in measured else scale * self._assumed(t)
+            for t in self.thresholds
+        }
+        # A higher threshold never commits more per step: keep the table monotone.
+        ordered, floor = [], 1.0
+        for t in reversed(self.thresholds):
+            floor = max(floor, rates[t])
+            ordered.append((t, floor))
+        return tuple(reversed(ordered))
+
+    def _assumed(self, tau: float) -> float:
+        """The assumed table at `tau`, interpolated (clamped at its ends)."""
+        taus, rates = zip(*self.assumed, strict=True)
+        return float(np.interp(tau, taus, rates))
