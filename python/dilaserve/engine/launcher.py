@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import shutil
 import signal
 import sys
@@ -23,6 +24,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 
+from dilaserve.channel_keys import WorkerKeys
 from dilaserve.protocol import CacheMode
 
 log = logging.getLogger(__name__)
@@ -48,9 +50,15 @@ class WorkerSpec:
     kv_cache_memory: int | float | None = None
     #: The launcher's key of the node the instance is placed on.
     node: int = 0
+    #: Keys of a TCP channel (None over IPC); they travel in the environment.
+    keys: WorkerKeys | None = None
 
     def rank_device(self, rank: int) -> str:
         return self.devices[rank] if self.devices else self.device
+
+    def environment(self) -> dict[str, str]:
+        """Variables to add to a rank process's environment: the channel's keys."""
+        return {} if self.keys is None else self.keys.environment()
 
     def argv(self, rank: int = 0, dist_init: str | None = None) -> list[str]:
         """Command-line arguments of rank `rank`'s process."""
@@ -242,7 +250,12 @@ class LocalLauncher(Launcher):
         spec: WorkerSpec, argv: list[str], rank: int = 0
     ) -> asyncio.subprocess.Process:
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "dilaserve.worker", *argv, stdin=asyncio.subprocess.DEVNULL
+            sys.executable,
+            "-m",
+            "dilaserve.worker",
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            env=os.environ | spec.environment(),
         )
         log.info(
             "launched worker %d of instance %d, rank %d of %d (pid %d)",

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -64,13 +65,16 @@ class RankProcess:
             port = s.getsockname()[1]
         return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
-    def run(self, argv: list[str]) -> int:
-        """Runs the worker to its end; returns its exit code."""
+    def run(self, argv: list[str], env: dict[str, str]) -> int:
+        """Runs the worker to its end, `env` added to its environment; returns its exit
+        code."""
         with self._lock:
             if self._killed:
                 return ACTOR_LOST_EXIT
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "dilaserve.worker", *argv], stdin=subprocess.DEVNULL
+                [sys.executable, "-m", "dilaserve.worker", *argv],
+                stdin=subprocess.DEVNULL,
+                env=os.environ | env,
             )
         return self._process.wait()
 
@@ -250,7 +254,8 @@ class RayLauncher(Launcher):
             ]
             init = await _awaitable(ranks[0].rendezvous.remote()) if spec.tp > 1 else None
             ranked = self._rank_spec(spec)
-            exits = [r.run.remote(ranked.argv(rank, init)) for rank, r in enumerate(ranks)]
+            env = ranked.environment()
+            exits = [r.run.remote(ranked.argv(rank, init), env) for rank, r in enumerate(ranks)]
         except BaseException:
             _release(ranks, group)
             raise

@@ -7,7 +7,8 @@ Sends never block the engine loop: a frame to a worker that is gone fails at onc
 
 Workers on this machine connect over IPC (a socket file in a private directory); workers
 on other machines over TCP, to a port the system picks on the host address the launcher
-names (`tcp_host`).
+names (`tcp_host`), authenticated by CURVE keys made for this channel (`worker_keys`, which
+the launcher hands to each worker; see `dilaserve.channel_keys`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
+from zmq.auth.asyncio import AsyncioAuthenticator
 
+from dilaserve.channel_keys import ChannelKeys, WorkerKeys
 from dilaserve.protocol import (
     EngineMessage,
     ProtocolError,
@@ -47,6 +50,9 @@ class WorkerChannel:
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._dir: str | None = None
+        self._auth: AsyncioAuthenticator | None = None
+        #: What a worker needs to connect over TCP; None on IPC.
+        self.worker_keys: WorkerKeys | None = None
         if tcp_host is None:
             self._dir = tempfile.mkdtemp(prefix="dilaserve-")
             self.endpoint = f"ipc://{self._dir}/engine.sock"
@@ -55,6 +61,12 @@ class WorkerChannel:
             host = f"[{tcp_host}]" if ":" in tcp_host else tcp_host
             if ":" in tcp_host:
                 self._socket.setsockopt(zmq.IPV6, 1)
+            keys = ChannelKeys.generate()
+            self._auth = AsyncioAuthenticator(self._context)
+            self._auth.start()
+            self._auth.configure_curve_callback("*", credentials_provider=_Admits(keys))
+            keys.secure(self._socket)
+            self.worker_keys = keys.workers
             port = self._socket.bind_to_random_port(f"tcp://{host}")
             self.endpoint = f"tcp://{host}:{port}"
         self._reader: asyncio.Task[None] | None = None
@@ -91,11 +103,26 @@ class WorkerChannel:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
         self._socket.close()
+        if self._auth is not None:
+            self._auth.stop()
         self._context.term()
         if self._dir is not None:
             with contextlib.suppress(OSError):
                 os.unlink(self.endpoint.removeprefix("ipc://"))
                 os.rmdir(self._dir)
+
+
+class _Admits:
+    """The authenticator's check of a peer's CURVE key: only this channel's workers."""
+
+    def __init__(self, keys: ChannelKeys) -> None:
+        self._keys = keys
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if self._keys.admits(key):
+            return True
+        log.warning("refused a worker connection with an unknown key")
+        return False
 
 
 def _log_failed_send(sent: asyncio.Future[object]) -> None:

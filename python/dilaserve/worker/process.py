@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import zmq
 
+from dilaserve.channel_keys import WorkerKeys
 from dilaserve.protocol import (
     CacheMode,
     RequestError,
@@ -165,6 +166,9 @@ def _serve_engine(settings: WorkerSettings, runner: StepRunner) -> int:
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.IDENTITY, str(settings.worker_id).encode())
     socket.setsockopt(zmq.LINGER, 1000)
+    keys = WorkerKeys.from_environment()
+    if keys is not None:
+        keys.secure(socket)
     socket.connect(settings.endpoint)
     socket.send(
         encode(
