@@ -51,6 +51,9 @@ DEFAULTS = {
     "port": 8000,
     "api_key": None,
     "max_body_bytes": 1 << 20,
+    "max_connections": 2048,
+    "read_timeout": 10.0,
+    "keepalive_timeout": 15.0,
     "log_level": "info",
     "launcher": "local",
     "ray_address": "auto",
@@ -125,6 +128,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int)
     p.add_argument("--api-key", help="require `Authorization: Bearer KEY` (or DILASERVE_API_KEY)")
     p.add_argument("--max-body-bytes", type=int)
+    p.add_argument(
+        "--max-connections", type=int, help="open connections at once; more get 503 (2048)"
+    )
+    p.add_argument(
+        "--read-timeout",
+        type=float,
+        help="seconds a request's head may take to arrive after connecting, and its body "
+        "after the head; slower connections are closed (10)",
+    )
+    p.add_argument(
+        "--keepalive-timeout", type=float, help="seconds an idle keep-alive connection stays (15)"
+    )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument(
         "--launcher",
@@ -280,6 +295,9 @@ def run(args: argparse.Namespace) -> int:
         model_name=name,
         api_key=values["api_key"] or os.environ.get("DILASERVE_API_KEY"),
         max_body_bytes=values["max_body_bytes"],
+        max_connections=values["max_connections"],
+        read_timeout_s=values["read_timeout"],
+        keepalive_timeout_s=values["keepalive_timeout"],
     )
     sock = bind(values["host"], values["port"])
     asyncio.run(serve(Engine(config, launcher_from(values, config)), settings, sock))

@@ -8,7 +8,7 @@ body and never reaches the engine; a client that disconnects cancels its request
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import dataclasses
 import itertools
 import json
@@ -19,11 +19,17 @@ from dataclasses import dataclass
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from dilaserve.engine import Engine, EngineError, GenerationParams, RequestOutput
+from dilaserve.engine import (
+    BadRequestError,
+    Engine,
+    EngineError,
+    RequestOutput,
+    RequestStats,
+)
 
 from .errors import APIError, bad_request, from_engine
 from .metrics import Metrics
-from .openai_api import ChatCompletionRequest, CompletionRequest, decode
+from .openai_api import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, decode
 from .responses import ResponseShape, usage
 from .streaming import StopText
 
@@ -37,6 +43,19 @@ class ServerSettings:
     model_name: str
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
+    #: Open connections at once; the next is answered 503 and closed.
+    max_connections: int = 2048
+    #: A request's head must arrive within this long of connecting, its body within this
+    #: long of the head; slower connections are closed.
+    read_timeout_s: float = 10.0
+    #: An idle keep-alive connection is closed after this long.
+    keepalive_timeout_s: float = 15.0
+
+    def __post_init__(self) -> None:
+        if self.max_connections < 1 or self.max_body_bytes < 1:
+            raise ValueError("max_connections and max_body_bytes must be positive")
+        if not (self.read_timeout_s > 0 and self.keepalive_timeout_s > 0):
+            raise ValueError("read_timeout_s and keepalive_timeout_s must be positive")
 
 
 class Server:
@@ -93,15 +112,20 @@ class Server:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = decode(await self._body(request), CompletionRequest)
-        return await self._generate(request, body, body.prompt_input(), chat=False)
+        return await self._generate(request, body, body.prompts(), chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = decode(await self._body(request), ChatCompletionRequest)
-        return await self._generate(request, body, self._chat_prompt(body), chat=True)
+        prompt = await asyncio.to_thread(self._chat_prompt, body)
+        return await self._generate(request, body, [prompt], chat=True)
 
     async def _body(self, request: web.Request) -> bytes:
+        timeout = self.settings.read_timeout_s
         try:
-            return await request.read()
+            async with asyncio.timeout(timeout):
+                return await request.read()
+        except TimeoutError as exc:
+            raise APIError(408, f"the request body did not arrive within {timeout} s") from exc
         except web.HTTPRequestEntityTooLarge as exc:
             limit = self.settings.max_body_bytes
             raise APIError(
@@ -116,8 +140,10 @@ class Server:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     async def _generate(
-        self, request: web.Request, body, prompt: str | list[int], chat: bool
+        self, request: web.Request, body, prompts: list[str | list[int]], chat: bool
     ) -> web.StreamResponse:
+        """Serves every prompt `n` times, each sample its own engine request; choice
+        `i * n + k` is prompt `i`'s sample `k`."""
         if body.model is not None and body.model != self.settings.model_name:
             served = self.settings.model_name
             raise APIError(
@@ -126,112 +152,177 @@ class Server:
                 param="model",
                 code="model_not_found",
             )
-        params = GenerationParams(
-            max_tokens=body.max_tokens,
-            slo_s=None if body.slo_ms is None else body.slo_ms / 1e3,
-            threshold=body.confidence_threshold,
-            block_length=body.block_length,
-            priority=body.priority,
-            temperature=body.temperature or 0.0,
-            steps_per_block=body.steps_per_block,
-            alg=body.alg,
-            alg_temp=body.alg_temp or 0.0,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=body.top_k,
-            seed=body.seed,
-        )
+        samples = body.samples()
+        if len(prompts) * len(samples) > MAX_CHOICES:
+            raise bad_request(
+                f"{len(prompts)} prompts x n = {len(samples)} exceeds {MAX_CHOICES} choices", "n"
+            )
+        ids = await self._encode(prompts)
+        echoes = await self._echoes(prompts, ids) if getattr(body, "echo", False) else None
+        try:
+            reqs = self.engine.add_requests([(p, params) for p in ids for params in samples])
+        except EngineError as exc:
+            self.metrics.ended(type(exc).__name__)
+            if isinstance(exc, BadRequestError) and exc.index is not None and len(prompts) > 1:
+                raise _prompt_error(exc.index // len(samples), exc) from exc
+            raise from_engine(exc) from exc
         rid = request.headers.get("X-Request-Id") or str(next(self._ids))
+        log.info("[%s] requests %s admitted (user %s)", rid, [r.id for r in reqs], body.user)
+        choices = [
+            _Choice(
+                i,
+                self.engine.outputs(req),
+                StopText(body.stops()),
+                echoes[i // len(samples)] if echoes else "",
+            )
+            for i, req in enumerate(reqs)
+        ]
         shape = ResponseShape(chat, rid, self.settings.model_name)
-        stop = StopText(body.stops())
-        outputs = self.engine.generate(prompt, params)
-        async with contextlib.aclosing(outputs):
-            try:
-                first = await anext(outputs)
-            except EngineError as exc:
-                self.metrics.ended(type(exc).__name__)
-                raise from_engine(exc) from exc
-            log.info("[%s] request %d admitted", rid, first.request_id)
-            if body.stream:
-                include_usage = (
-                    body.stream_options is not None and body.stream_options.include_usage
+        prompt_tokens = sum(len(p) for p in ids)
+        try:
+            if body.streaming:
+                return await self._stream(
+                    request, shape, choices, prompt_tokens, body.include_usage
                 )
-                return await self._stream(request, shape, outputs, first, stop, include_usage)
-            return await self._complete(shape, outputs, first, stop)
+            return await self._complete(shape, choices, prompt_tokens)
+        finally:  # a choice cut by a stop string, or left by the client, stops here
+            for choice, req in zip(choices, reqs, strict=True):
+                await choice.outputs.aclose()
+                self.engine.cancel(req.id)
 
-    async def _sendable(
-        self, outputs: AsyncIterator[RequestOutput], first: RequestOutput, stop: StopText
-    ) -> AsyncIterator[tuple[str, RequestOutput]]:
-        """Each update with the text it lets us send (cut at stop strings), from `first`
-        until the request ends or a stop string is reached; an engine error is counted
-        and raised."""
-        last = first
-        yield stop.feed(first.delta, final=first.finished), first
-        while not (last.finished or stop.stopped):
+    async def _encode(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        """Each prompt's token ids, text tokenized off the event loop; a bad prompt is a
+        400 naming its index when there are several."""
+        ids = []
+        for index, prompt in enumerate(prompts):
             try:
-                last = await anext(outputs)
+                if isinstance(prompt, str):
+                    ids.append(await asyncio.to_thread(self.engine.encode, prompt))
+                else:
+                    ids.append(prompt)
+            except BadRequestError as exc:
+                if len(prompts) > 1:
+                    raise _prompt_error(index, exc) from exc
+                raise from_engine(exc) from exc
+        return ids
+
+    async def _echoes(self, prompts: list[str | list[int]], ids: list[list[int]]) -> list[str]:
+        """The text `echo` puts before each prompt's completions: the prompt's."""
+        decode = self.engine.tokenizer.decode
+        return [
+            p if isinstance(p, str) else await asyncio.to_thread(decode, i)
+            for p, i in zip(prompts, ids, strict=True)
+        ]
+
+    async def _sendable(self, choice: _Choice) -> AsyncIterator[tuple[str, RequestOutput]]:
+        """Each update of a choice with the text it lets us send (cut at stop strings),
+        until its request ends or a stop string is reached; an engine error is counted and
+        raised."""
+        stop = choice.stop
+        while not ((choice.last is not None and choice.last.finished) or stop.stopped):
+            try:
+                choice.last = await anext(choice.outputs)
             except EngineError as exc:
                 self.metrics.ended(type(exc).__name__)
                 raise
-            yield stop.feed(last.delta, final=last.finished), last
+            yield stop.feed(choice.last.delta, final=choice.last.finished), choice.last
 
     async def _complete(
-        self, shape: ResponseShape, outputs: AsyncIterator[RequestOutput], first, stop: StopText
+        self, shape: ResponseShape, choices: list[_Choice], prompt_tokens: int
     ) -> web.Response:
+        async def run(choice: _Choice) -> None:
+            async for _ in self._sendable(choice):
+                pass
+
         try:
-            updates = [last async for _, last in self._sendable(outputs, first, stop)]
+            await _all(run(c) for c in choices)
         except EngineError as exc:
             raise from_engine(exc) from exc
-        reason, stats = self._ending(updates[-1], stop)
-        body = shape.full(stop.text, reason, self._usage(stats, stop), stats)
-        return web.json_response(body)
+        endings = [self._ending(c) for c in choices]
+        bodies = [
+            shape.choice(c.index, c.echo + c.stop.text, reason, stats if len(choices) > 1 else None)
+            for c, (reason, stats) in zip(choices, endings, strict=True)
+        ]
+        use = self._usage(prompt_tokens, choices)
+        return web.json_response(shape.full(bodies, use, endings[0][1]))
 
     async def _stream(
         self,
         request: web.Request,
         shape: ResponseShape,
-        outputs: AsyncIterator[RequestOutput],
-        first: RequestOutput,
-        stop: StopText,
+        choices: list[_Choice],
+        prompt_tokens: int,
         include_usage: bool,
     ) -> web.StreamResponse:
+        """Server-sent events, the choices' chunks interleaved as their blocks complete;
+        each choice's first chunk names the role, its last the finish reason."""
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await response.prepare(request)
-        last = first
+        # Each choice's task queues its chunks, then None, or the error that ended it.
+        events: asyncio.Queue[dict | EngineError | None] = asyncio.Queue()
+
+        async def run(choice: _Choice) -> None:
+            first = True
+            try:
+                async for delta, _ in self._sendable(choice):
+                    text = choice.echo + delta if first else delta
+                    if first or text:
+                        events.put_nowait(shape.chunk(choice.index, text, first=first))
+                    first = False
+            except EngineError as exc:
+                events.put_nowait(exc)
+                return
+            reason, _ = self._ending(choice)
+            events.put_nowait(shape.chunk(choice.index, "", finish_reason=reason))
+            events.put_nowait(None)
+
+        tasks = [asyncio.get_running_loop().create_task(run(c)) for c in choices]
         try:
-            async for delta, last in self._sendable(outputs, first, stop):
-                if last is first:  # the first chunk names the role, even if empty
-                    await _event(response, shape.chunk(delta, first=True))
-                elif delta:
-                    await _event(response, shape.chunk(delta))
-        except EngineError as exc:  # headers are sent: report in the stream
-            await _event(response, from_engine(exc).body())
-            await response.write(b"data: [DONE]\n\n")
-            return response
-        reason, stats = self._ending(last, stop)
-        await _event(response, shape.chunk("", finish_reason=reason))
+            running = len(tasks)
+            while running:
+                item = await events.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, EngineError):  # headers are sent: report in the stream
+                    await _event(response, from_engine(item).body())
+                    await response.write(b"data: [DONE]\n\n")
+                    return response
+                else:
+                    await _event(response, item)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         if include_usage:
-            await _event(response, shape.usage_chunk(self._usage(stats, stop), stats))
+            stats = self._ending(choices[0])[1] if len(choices) == 1 else None
+            await _event(response, shape.usage_chunk(self._usage(prompt_tokens, choices), stats))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 
-    def _ending(self, last: RequestOutput, stop: StopText):
+    def _ending(self, choice: _Choice) -> tuple[str, RequestStats | None]:
         """Finish reason and statistics; a request cut by a stop string ends here, and
-        leaving the output stream cancels its remaining steps."""
+        leaving the output stream cancels its remaining steps. Counted once per choice."""
+        if choice.ending is not None:
+            return choice.ending
+        last = choice.last
+        assert last is not None
         if last.finished:
-            stats = last.stats
-            self.metrics.finished(stats)
-            return ("stop" if stop.stopped else last.finish_reason), stats
-        stats = self.engine.stats_of(last.request_id)
-        self.metrics.ended("stop_string")
-        return "stop", stats
+            self.metrics.finished(last.stats)
+            choice.ending = ("stop" if choice.stop.stopped else last.finish_reason), last.stats
+        else:
+            self.metrics.ended("stop_string")
+            choice.ending = "stop", self.engine.stats_of(last.request_id)
+        return choice.ending
 
-    def _usage(self, stats, stop: StopText) -> dict:
+    def _usage(self, prompt_tokens: int, choices: list[_Choice]) -> dict:
         tokenizer = self.engine.tokenizer
-        completion = len(tokenizer(stop.text, add_special_tokens=False)["input_ids"])
-        return usage(stats.prompt_tokens if stats else 0, completion)
+        completion = sum(
+            len(tokenizer(c.stop.text, add_special_tokens=False)["input_ids"]) for c in choices
+        )
+        return usage(prompt_tokens, completion)
 
     # -- information -----------------------------------------------------------------------
 
@@ -272,6 +363,7 @@ class Server:
                 "overloaded": engine.scheduler.overloaded,
                 "plan": plan,
                 "step_times": dataclasses.asdict(engine.step_times),
+                "tokens_per_step": engine.tokens_per_step(),
             }
         )
 
@@ -294,6 +386,34 @@ def _state(inst) -> str:
     if inst.stopping:
         return "stopping"
     return "serving" if inst.registered else "starting"
+
+
+@dataclass
+class _Choice:
+    """One choice of a call: its request's updates and what has been sent of them."""
+
+    index: int
+    outputs: AsyncIterator[RequestOutput]
+    stop: StopText
+    #: Text sent before the completion (`echo`).
+    echo: str = ""
+    last: RequestOutput | None = None
+    ending: tuple[str, RequestStats | None] | None = None
+
+
+def _prompt_error(index: int, error: EngineError) -> APIError:
+    """A refused prompt of several fails the whole call, naming its index (as OpenAI)."""
+    return bad_request(f"prompt {index}: {error}", "prompt")
+
+
+async def _all(runs) -> None:
+    """Runs every coroutine; the first to fail cancels the rest and its error is raised."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            for run in runs:
+                group.create_task(run)
+    except BaseExceptionGroup as group:
+        raise group.exceptions[0] from None
 
 
 async def _event(response: web.StreamResponse, payload: dict) -> None:

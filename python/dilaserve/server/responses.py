@@ -51,27 +51,36 @@ class ResponseShape:
             "choices": choices,
         }
 
-    def full(self, text: str, finish_reason: str, use: dict, stats: RequestStats | None) -> dict:
+    def choice(
+        self, index: int, text: str, finish_reason: str, stats: RequestStats | None = None
+    ) -> dict:
+        """One choice of a full response; `stats` (of calls with several choices) says how
+        this one was served."""
         if self.chat:
-            choice = {
-                "index": 0,
+            body = {
+                "index": index,
                 "message": {"role": "assistant", "content": text},
                 "finish_reason": finish_reason,
             }
-            body = self._envelope("chat.completion", [choice])
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-            body = self._envelope("text_completion", [choice])
-        return body | {"usage": use, "dilaserve": served(stats)}
+            body = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return body if stats is None else body | {"dilaserve": served(stats)}
 
-    def chunk(self, delta: str, finish_reason: str | None = None, first: bool = False) -> dict:
+    def full(self, choices: list[dict], use: dict, stats: RequestStats | None) -> dict:
+        """The response; `stats` (of the first choice) is the top-level `dilaserve`."""
+        object_ = "chat.completion" if self.chat else "text_completion"
+        return self._envelope(object_, choices) | {"usage": use, "dilaserve": served(stats)}
+
+    def chunk(
+        self, index: int, delta: str, finish_reason: str | None = None, first: bool = False
+    ) -> dict:
         if self.chat:
             content: dict = {"role": "assistant"} if first else {}
             if delta or not first:
                 content["content"] = delta
-            choice = {"index": 0, "delta": content, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": content, "finish_reason": finish_reason}
             return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": delta, "logprobs": None, "finish_reason": finish_reason}
         return self._envelope("text_completion", [choice])
 
     def usage_chunk(self, use: dict, stats: RequestStats | None) -> dict:

@@ -14,6 +14,7 @@ from aiohttp import web
 from dilaserve.engine import Engine
 
 from .app import Server, ServerSettings
+from .connections import ConnectionLimits
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +34,14 @@ async def serve(
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, stop.set)  # only possible on the main thread
     async with engine:
-        runner = web.AppRunner(Server(engine, settings).app(), handler_cancellation=True)
+        runner = web.AppRunner(
+            Server(engine, settings).app(),
+            handler_cancellation=True,
+            keepalive_timeout=settings.keepalive_timeout_s,
+        )
         await runner.setup()
-        await web.SockSite(runner, sock).start()
+        limits = ConnectionLimits(settings.max_connections, settings.read_timeout_s)
+        await LimitedSite(runner, sock, limits).start()
         host, port = sock.getsockname()[:2]
         log.info("serving %s on http://%s:%d", settings.model_name, host, port)
         if started is not None:
@@ -45,6 +51,22 @@ async def serve(
         finally:
             log.info("shutting down")
             await runner.cleanup()
+
+
+class LimitedSite(web.SockSite):
+    """aiohttp's site on a bound socket, each connection behind `ConnectionLimits`."""
+
+    def __init__(self, runner: web.AppRunner, sock: socket.socket, limits: ConnectionLimits):
+        super().__init__(runner, sock)
+        self.limits = limits
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # registers the site with its runner
+        server = self._runner.server
+        assert server is not None
+        self._server = await asyncio.get_running_loop().create_server(
+            self.limits.factory(server), sock=self._sock
+        )
 
 
 def bind(host: str, port: int) -> socket.socket:
