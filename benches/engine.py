@@ -3,7 +3,11 @@ workers' step execution (engine round, transport, serialization) with 1, 2 and 4
 instances under a steady stream of requests, the ZeroMQ round trip of an empty step, and
 the time to migrate a request between two instances.
 
-Prints one JSON object per line. `python benches/engine.py [--seconds S]`.
+The closed-loop clients set no SLO, so the default admission (`reject`) serves them all:
+deadline admission refuses only requests that asked for a deadline.
+
+Prints one JSON object per line. `python benches/engine.py [--seconds S] [--quick]`
+(`--quick`: 1 and 4 instances, 2 s each, 20 round trips).
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ async def steady_stream(instances: int, seconds: float) -> None:
             "fraction",
             baseline="worker step execution",
             target=0.10,
+            admission=config.policy.admission,
             steps=t.steps,
             requests=served,
             mean_step_ms=round(1e3 * (t.round_trip_s + t.dispatch_gap_s) / max(t.steps, 1), 3),
@@ -144,13 +149,15 @@ async def transport(repeats: int) -> None:
     )
 
 
-async def main(seconds: float) -> None:
-    await transport(200)
-    for instances in (1, 2, 4):
+async def main(seconds: float, quick: bool) -> None:
+    await transport(20 if quick else 200)
+    for instances in (1, 4) if quick else (1, 2, 4):
         await steady_stream(instances, seconds)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--seconds", type=float, default=20.0, help="load per instance count")
-    asyncio.run(main(parser.parse_args().seconds))
+    parser.add_argument("--seconds", type=float, default=None, help="load per instance count")
+    parser.add_argument("--quick", action="store_true", help="a short run that checks it works")
+    args = parser.parse_args()
+    asyncio.run(main(args.seconds or (2.0 if args.quick else 20.0), args.quick))

@@ -260,19 +260,20 @@ def compiled_variants() -> int:
 # --- 4. the runtime bench on CUDA ------------------------------------------------------------
 
 
-def runtime_bench(device: torch.device) -> None:
+def runtime_bench(device: torch.device, quick: bool) -> None:
     """Runs `benches/runtime.py` (beside this file) on `device`."""
     spec = importlib.util.spec_from_file_location(
         "runtime_bench", Path(__file__).with_name("runtime.py")
     )
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(module)  # type: ignore[union-attr]
-    module.main(["--device", device.type])
+    module.main(["--device", device.type, *(["--quick"] if quick else [])])
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--skip-cpu", action="store_true", help="no CPU comparison (faster)")
+    p.add_argument("--quick", action="store_true", help="no CPU comparison, a short runtime bench")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print(json.dumps({"name": "gpu_check", "skipped": "no CUDA device"}), flush=True)
@@ -282,13 +283,13 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         check_kernels(device)
         model = build_model(LLADA_8B)
-        if not args.skip_cpu:
+        if not (args.skip_cpu or args.quick):
             g = torch.Generator().manual_seed(3)
             prompts = [torch.randint(0, 126_000, (n,), generator=g).tolist() for n in (40, 23)]
             for mode, share in compare_runners(model, device, prompts=prompts).items():
                 emit("runner_cuda_vs_cpu_agreement", share, "share", mode=mode)
         profile_steps(model.to(device=device, dtype=torch.bfloat16))
-    runtime_bench(device)
+    runtime_bench(device, args.quick)
     return 0
 
 

@@ -8,7 +8,8 @@ the ablations. Every summary is printed as a JSON line, then the comparison line
   `live_latency_ratio_vs_best_baseline` (mean latency), `live_accuracy_drop_pp`;
 - at the lightest rate: `live_light_attainment_gap_pp` (ours minus the best baseline).
 
-`python benches/live.py [--duration S] [--rates R,R,...] [--policies P,P,...] [--plot PNG]`
+`python benches/live.py [--duration S] [--rates R,R,...] [--policies P,P,...] [--plot PNG]
+[--quick]`
 """
 
 from __future__ import annotations
@@ -74,7 +75,10 @@ def main() -> None:
     parser.add_argument("--rates", default="2,4,6,8,12")
     parser.add_argument("--plot", default=None)
     parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--quick", action="store_true", help="one rate (4 req/s) for 2 s")
     args = parser.parse_args()
+    if args.quick:
+        args.rates, args.duration = "4", 2.0
     spec = SweepSpec(
         policies=args.policies.split(","),
         rates=[float(r) for r in args.rates.split(",")],

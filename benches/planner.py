@@ -11,11 +11,12 @@ from an empty cluster. Side by side, at 16 GPUs, the same Stage-1 problem is wri
 straightforward way (DESIGN §7 as stated: per-node integer instances, big-M products of the
 batch choice with steps and instances) in PuLP and solved by its bundled CBC;
 `ratio_highs_vs_pulp_16gpu` = CBC's Stage-1 time / HiGHS's cold Stage-1 time on the same
-inputs (median over the loads compared).
+inputs (median over the loads compared). `--quick`: 16 GPUs at one load, one run each.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -231,6 +232,11 @@ def pulp_stage1(inp: PlannerInputs, profile: LatencyProfile) -> tuple[float, flo
 
 
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="16 GPUs, one load: checks it runs")
+    if p.parse_args().quick:
+        global CLUSTERS, LOADS, CBC_LOADS, REPEATS
+        CLUSTERS, LOADS, CBC_LOADS, REPEATS = CLUSTERS[:1], (1.1,), (1.1,), 1
     profile = LatencyProfile.load(SIMULATED_LLADA8B)
     highs_stage1_16: dict[float, float] = {}
     for gpus, nodes, per_node in CLUSTERS:

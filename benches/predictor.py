@@ -21,11 +21,13 @@ process CPU time of the best call (all threads; steadier when neighbours load th
 machine); and a scheduling round of 10 000 requests on 256 instances with the learned
 predictor.
 
-Run: python benches/predictor.py   (about a minute on 2 cores). One JSON object per line.
+Run: python benches/predictor.py [--quick]   (about a minute on 2 cores). One JSON object per
+line.
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import statistics
@@ -148,7 +150,7 @@ def errors_block(table, heldout_table) -> None:
     )
 
 
-def timing_block(table) -> None:
+def timing_block(table, repeats: int) -> None:
     rng = np.random.default_rng(0)
     rows = rng.integers(0, table.num_rows, 10_000)
     st = table_states(table, rows)
@@ -157,7 +159,7 @@ def timing_block(table) -> None:
     views = views_from_states(st)
     taus = list(THRESHOLDS)
     rust_ms, rust_cpu = [], []
-    for _ in range(30):
+    for _ in range(3 * repeats):
         t0, c0 = time.perf_counter(), time.process_time()
         shipped.native.predict(views, taus)
         rust_ms.append((time.perf_counter() - t0) * 1e3)
@@ -169,7 +171,7 @@ def timing_block(table) -> None:
     ]
     x = repeat_over_thresholds(st, THRESHOLDS, boosters[0].feature_name())
     lgb_ms, lgb_cpu = [], []
-    for _ in range(10):
+    for _ in range(repeats):
         t0, c0 = time.perf_counter(), time.process_time()
         for b in boosters:
             b.predict(x)
@@ -238,10 +240,10 @@ def round_ms(config: SchedulerConfig, rounds: int = 12) -> tuple[float, float, i
     )
 
 
-def round_block() -> None:
+def round_block(rounds: int) -> None:
     model = str(default_model_dir() / TOTAL_MODEL)
-    gbm, gbm_reports, n = round_ms(SchedulerConfig(predictor_model=model))
-    rates, rates_reports, _ = round_ms(SchedulerConfig())
+    gbm, gbm_reports, n = round_ms(SchedulerConfig(predictor_model=model), rounds)
+    rates, rates_reports, _ = round_ms(SchedulerConfig(), rounds)
     emit("scheduler_round_ms_10k_with_gbm", gbm, "ms", target="<= 2", instances=256)
     emit("scheduler_round_ms_10k_with_mean_rate", rates, "ms", baseline="mean_rate")
     emit(
@@ -255,12 +257,15 @@ def round_block() -> None:
 
 
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="few timing repeats: checks it runs")
+    quick = p.parse_args().quick
     table = load(DATA)
     split = Split.of(table, TrainConfig())
     heldout = table.filter(split.heldout)
     errors_block(table, heldout)
-    timing_block(heldout)
-    round_block()
+    timing_block(heldout, 1 if quick else 10)
+    round_block(4 if quick else 12)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ cluster whose `slot` resource stands in for GPUs):
   actor vs one reached over IPC: empty step commands through the engine's `WorkerChannel`,
   alternating between the two workers so both see the same load; medians.
 
-Prints one JSON object per line. `python benches/ray.py [--repeats N] [--steps N]`.
+Prints one JSON object per line. `python benches/ray.py [--repeats N] [--steps N] [--quick]`.
 """
 
 from __future__ import annotations
@@ -161,7 +161,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=3, help="scale-ups per launcher")
     parser.add_argument("--steps", type=int, default=500, help="empty steps per transport")
+    parser.add_argument("--quick", action="store_true", help="1 scale-up, 50 steps")
     args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.steps = 1, 50
     ray.init(num_cpus=2, resources={RESOURCE: SLOTS}, include_dashboard=False, log_to_driver=False)
     try:
         asyncio.run(main(args.repeats, args.steps))

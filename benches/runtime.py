@@ -174,7 +174,12 @@ def warm_up(model, prompt: list[int]) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    device = torch.device(p.parse_args(argv).device)
+    p.add_argument("--quick", action="store_true", help="64 positions, 2 requests: checks it runs")
+    args = p.parse_args(argv)
+    if args.quick:
+        global GEN_LENGTH, REQUESTS, SEQUENTIAL_REQUESTS
+        GEN_LENGTH, REQUESTS, SEQUENTIAL_REQUESTS = 64, 2, 1
+    device = torch.device(args.device)
     imports_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     torch.manual_seed(0)
     on_cpu = device.type == "cpu"

@@ -7,11 +7,12 @@ steady state: every dispatched batch reports its step before the next round. Bot
 implementations get identical events and must make identical decisions in every compared
 round. Prints one JSON object per line.
 
-Run: python benches/scheduler.py   (about a minute on 2 cores)
+Run: python benches/scheduler.py [--quick]   (about a minute on 2 cores; --quick: seconds)
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import statistics
@@ -146,32 +147,39 @@ def label(n: int) -> str:
 
 
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="small sizes, few rounds: checks it runs")
+    quick = p.parse_args().quick
     profile = llada_like_profile()
     config = SchedulerConfig(thresholds=(0.5, 0.6, 0.7, 0.8, 0.9), max_batch_tokens=8192)
     results: dict[tuple[int, int], Setup] = {}
     plan = {1_000: (60, 60), 10_000: (30, 30), 100_000: (12, 3)}
-    for n_req, (rounds, compared) in plan.items():
-        for n_inst in (16, 256, 1024):
-            setup = Setup(n_req, n_inst, rounds, compared)
-            run(setup, profile, config)
-            results[(n_req, n_inst)] = setup
-            med = statistics.median(setup.rust_ms)
-            ref = statistics.median(setup.reference_ms)
-            py = statistics.median(setup.python_call_ms)
-            emit(
-                f"sched_round_ms_{label(n_req)}_req_{n_inst}_inst",
-                med,
-                "ms",
-                baseline="python_reference",
-                ratio=round(ref / med, 1),
-                reference_ms=round(ref, 3),
-                python_call_ms=round(py, 4),
-                rounds=len(setup.rust_ms),
-                compared_rounds=compared,
-                mean_dispatched=round(statistics.mean(setup.dispatched)),
-                identical_decisions=True,
-            )
+    runs = [(n, i, *plan[n]) for n in plan for i in (16, 256, 1024)]
+    if quick:
+        runs = [(1_000, 16, 3, 3), (10_000, 256, 2, 2)]
+    for n_req, n_inst, rounds, compared in runs:
+        setup = Setup(n_req, n_inst, rounds, compared)
+        run(setup, profile, config)
+        results[(n_req, n_inst)] = setup
+        med = statistics.median(setup.rust_ms)
+        ref = statistics.median(setup.reference_ms)
+        py = statistics.median(setup.python_call_ms)
+        emit(
+            f"sched_round_ms_{label(n_req)}_req_{n_inst}_inst",
+            med,
+            "ms",
+            baseline="python_reference",
+            ratio=round(ref / med, 1),
+            reference_ms=round(ref, 3),
+            python_call_ms=round(py, 4),
+            rounds=len(setup.rust_ms),
+            compared_rounds=compared,
+            mean_dispatched=round(statistics.mean(setup.dispatched)),
+            identical_decisions=True,
+        )
     for n_req, n_inst in ((1_000, 16), (10_000, 256), (100_000, 1024)):
+        if (n_req, n_inst) not in results:
+            continue
         s = results[(n_req, n_inst)]
         py = statistics.median(s.python_call_ms)
         ref = statistics.median(s.reference_ms)

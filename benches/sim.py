@@ -19,15 +19,14 @@ import time
 from pathlib import Path
 
 from dilaserve.bench.report import plot
-from dilaserve.bench.workload import read_trace
 from dilaserve.planner import FAST_DLLM_THRESHOLDS
 from dilaserve.predictor import progress as progress_model
 from dilaserve.profiles import SIMULATED_LLADA8B
 from dilaserve.scheduler import LatencyProfile
 from dilaserve.sim import ClusterSetup, Workload, simulate
 from dilaserve.tiny import default_model_dir
+from dilaserve.traces import AZURE_CONV, read_trace
 
-TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
 BASELINES = ("infaas", "llumnix")
 FIXED = tuple(f"fixed-{t}" for t in (0.5, 0.6, 0.7, 0.8, 0.9))
 ABLATIONS = ("no-load-control", "no-migration", "one-shot", "no-reconfig", "paper")
@@ -67,7 +66,7 @@ def knee_of(results, rates) -> float:
 
 
 def paper_experiments(args) -> None:
-    trace = read_trace(TRACE)
+    trace = read_trace(AZURE_CONV)
     setup = llada8b_setup(4, 4)
     step = 2.0
     rates = [step * i for i in range(8, 28)]
@@ -164,7 +163,7 @@ def paper_experiments(args) -> None:
 
 
 def scale_experiment(args) -> None:
-    trace = read_trace(TRACE)
+    trace = read_trace(AZURE_CONV)
     setup = llada8b_setup(128, 8, round_quantum_s=0.002, replan_interval_s=250.0)
     n = 100_000 if args.quick else 1_000_000
     rate = 2000.0
@@ -193,12 +192,15 @@ def scale_experiment(args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--duration", type=float, default=300.0, help="simulated seconds per run")
-    p.add_argument("--quick", action="store_true", help="fewer rates; 100k requests at scale")
+    p.add_argument("--duration", type=float, help="simulated seconds per run (300; quick: 60)")
+    p.add_argument(
+        "--quick", action="store_true", help="fewer rates, 60 s runs; 100k requests at scale"
+    )
     part = p.add_mutually_exclusive_group()
     part.add_argument("--skip-scale", action="store_true", help="only the 16-GPU experiments")
     part.add_argument("--scale-only", action="store_true", help="only the 1024-GPU run")
     args = p.parse_args()
+    args.duration = args.duration or (60.0 if args.quick else 300.0)
     if not args.scale_only:
         paper_experiments(args)
     if not args.skip_scale:

@@ -11,7 +11,7 @@ line, then per policy and rate the differences, and the worst over all of them:
 - `sim_vs_live_attainment_abs_diff_pp`: |simulated − live| SLO attainment, points;
 - `sim_vs_live_mean_latency_rel_diff`: |simulated − live| / live mean latency.
 
-`python benches/sim_vs_live.py [--rates R,R,...] [--duration S] [--policies P,P]`
+`python benches/sim_vs_live.py [--rates R,R,...] [--duration S] [--policies P,P] [--quick]`
 """
 
 from __future__ import annotations
@@ -113,7 +113,10 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=20.0, help="seconds per rate")
     parser.add_argument("--policies", default="dilaserve,infaas")
     parser.add_argument("--profile", help="use this profile instead of measuring one")
+    parser.add_argument("--quick", action="store_true", help="one rate (8 req/s) for 3 s")
     args = parser.parse_args()
+    if args.quick:
+        args.rates, args.duration = "8", 3.0
     model_dir = default_model_dir()
     with tempfile.TemporaryDirectory() as tmp:
         profile_path = Path(args.profile or measure_profile(Path(tmp) / "profile.json"))

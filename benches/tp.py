@@ -18,6 +18,7 @@ Prints one JSON object per line.
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import statistics
@@ -115,9 +116,9 @@ class Timed:
         }
 
 
-def side_by_side(tp2_model, tp1_dir: str) -> dict[str, dict[str, dict]]:
+def side_by_side(tp2_model, tp1_dir: str, repeats: int) -> dict[str, dict[str, dict]]:
     """Rank 0 of the TP-2 group: per step kind, TP-2, TP-1 (one thread) and TP-1 (two
-    threads) steps interleaved trial by trial."""
+    threads) steps interleaved trial by trial, `repeats` timed trials each."""
     tp1_model = load_model(tp1_dir)
     results = {}
     for kind in SHAPES:
@@ -126,7 +127,7 @@ def side_by_side(tp2_model, tp1_dir: str) -> dict[str, dict[str, dict]]:
             "tp1": Timed(tp1_model, kind, 1),
             "tp1_two_threads": Timed(tp1_model, kind, 2),
         }
-        for trial in range(REPEATS + 1):  # the first is a warm-up
+        for trial in range(repeats + 1):  # the first is a warm-up
             for timed in configs.values():
                 timed.trial(keep=trial > 0)
         results[kind.value] = {name: timed.summary() for name, timed in configs.items()}
@@ -140,10 +141,13 @@ def commit_only(model) -> dict:
 
 
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="one timed trial: checks it runs")
+    repeats = 1 if p.parse_args().quick else REPEATS
     with tempfile.TemporaryDirectory() as tmp:
         wide = write_tiny_checkpoint(Path(tmp) / "wide", "llada", **WIDE)
         large_vocab = write_tiny_checkpoint(Path(tmp) / "vocab", "llada", **LARGE_VOCAB)
-        steps = run_on_group(2, wide, side_by_side, str(wide), threads=1, timeout_s=900)
+        steps = run_on_group(2, wide, side_by_side, str(wide), repeats, threads=1, timeout_s=900)
         vocab_tp2 = run_on_group(2, large_vocab, commit_only, threads=1, timeout_s=300)
 
     def ms(kind: str) -> dict[str, float]:
