@@ -2,7 +2,7 @@
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/dilaserve/target
 PYTHON ?= python3
 
-.PHONY: build-deps install run test test-rust test-python lint bench
+.PHONY: build-deps install run test test-rust test-python lint bench wheel
 
 # cmake and libclang for the HiGHS build (installed from Debian if missing).
 build-deps:
@@ -35,3 +35,12 @@ lint:
 
 bench:
 	for b in benches/*.py; do $(PYTHON) $$b || exit 1; done
+
+# The manylinux_2_28 abi3 wheel a user pip-installs: zig (ziglang, a test extra) compiles and
+# links against glibc 2.28, so the wheel runs on any Linux since then; `auditwheel show` checks
+# it. Its own target directory keeps the editable build's artifacts.
+WHEEL_DIR ?= dist
+wheel: build-deps
+	CARGO_TARGET_DIR=$(CARGO_TARGET_DIR)/manylinux $(PYTHON) -m maturin build --release --locked \
+		--zig --compatibility manylinux_2_28 --out $(WHEEL_DIR)
+	$(PYTHON) -m auditwheel show $(WHEEL_DIR)/dilaserve-*.whl

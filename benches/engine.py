@@ -7,7 +7,7 @@ The closed-loop clients set no SLO, so the default admission (`reject`) serves t
 deadline admission refuses only requests that asked for a deadline.
 
 Prints one JSON object per line. `python benches/engine.py [--seconds S] [--quick]`
-(`--quick`: 1 and 4 instances, 2 s each, 20 round trips).
+(`--quick`: 1 and 2 instances, 2 s each, 20 round trips).
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ async def transport(repeats: int) -> None:
 
 async def main(seconds: float, quick: bool) -> None:
     await transport(20 if quick else 200)
-    for instances in (1, 4) if quick else (1, 2, 4):
+    for instances in (1, 2) if quick else (1, 2, 4):
         await steady_stream(instances, seconds)
 
 

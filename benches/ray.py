@@ -101,7 +101,7 @@ class DirectWorker:
         self.channel.start()
         spec = WorkerSpec(
             0, self.worker_id, self.channel.endpoint, str(default_model_dir()), CacheMode.DUAL,
-            8, threads=1,
+            8, threads=1, keys=self.channel.worker_keys,
         )  # fmt: skip
         self.handle = await self.launcher.launch(spec)
         await self.replies.get()  # WorkerReady

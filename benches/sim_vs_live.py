@@ -50,13 +50,14 @@ def emit(name: str, value: float, unit: str, **extra: object) -> None:
     print(json.dumps({"name": name, "value": round(value, 4), "unit": unit, **extra}), flush=True)
 
 
-def measure_profile(path: Path) -> Path:
+def measure_profile(path: Path, repeats: int | None = None) -> Path:
     """`dilaserve profile` of dilaserve-tiny with one thread per rank, as each of the two
-    workers runs on this machine."""
+    workers runs on this machine (`repeats` timings per point: the command's default)."""
     subprocess.run(
         [
             *(sys.executable, "-m", "dilaserve", "profile"),
             *("--threads", "1", "--cache-context", CACHE_CONTEXTS, "--output", str(path)),
+            *(() if repeats is None else ("--repeats", str(repeats))),
         ],
         check=True,
     )
@@ -78,13 +79,15 @@ def step_overhead(serve_args: list[str]) -> float:
     return (t["round_trip_s"] - t["worker_s"] + t["dispatch_gap_s"]) / t["steps"]
 
 
-def task_progress(thresholds: tuple[float, ...], shipped: dict, path: Path) -> dict[str, dict]:
+def task_progress(
+    thresholds: tuple[float, ...], shipped: dict, path: Path, runs: int = 200
+) -> dict[str, dict]:
     """Per-task progress models of dilaserve-tiny, recorded by `dilaserve predictor collect`
     at `thresholds` (the accuracy per threshold: the shipped model's)."""
     subprocess.run(
         [
             *(sys.executable, "-m", "dilaserve", "predictor", "collect", "--out", str(path)),
-            *("--n", "200", "--switched-runs", "0", "--block-length", str(BLOCK), "--quiet"),
+            *("--n", str(runs), "--switched-runs", "0", "--block-length", str(BLOCK), "--quiet"),
             *("--thresholds", ",".join(map(str, thresholds))),
         ],
         check=True,
@@ -113,13 +116,17 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=20.0, help="seconds per rate")
     parser.add_argument("--policies", default="dilaserve,infaas")
     parser.add_argument("--profile", help="use this profile instead of measuring one")
-    parser.add_argument("--quick", action="store_true", help="one rate (8 req/s) for 3 s")
+    parser.add_argument(
+        "--quick", action="store_true", help="one rate (8 req/s) for 3 s, a coarse profile"
+    )
     args = parser.parse_args()
     if args.quick:
         args.rates, args.duration = "8", 3.0
     model_dir = default_model_dir()
     with tempfile.TemporaryDirectory() as tmp:
-        profile_path = Path(args.profile or measure_profile(Path(tmp) / "profile.json"))
+        profile_path = Path(
+            args.profile or measure_profile(Path(tmp) / "profile.json", 1 if args.quick else None)
+        )
         spec = SweepSpec(
             policies=args.policies.split(","),
             rates=[float(r) for r in args.rates.split(",")],
@@ -132,7 +139,8 @@ def main() -> None:
         profile = LatencyProfile.load(str(profile_path))
         shipped = progress_model.load(model_dir / "progress.json")
         thresholds = quality_floor(DEFAULT_THRESHOLDS, model_dir, 0.03)
-        by_task = task_progress(thresholds, shipped, Path(tmp) / "traces.parquet")
+        runs = 40 if args.quick else 200
+        by_task = task_progress(thresholds, shipped, Path(tmp) / "traces.parquet", runs)
     setup = ClusterSetup(
         profile=profile,
         progress=shipped,

@@ -18,7 +18,7 @@ BENCHES = ROOT / "benches"
 
 #: Each bench script and lines its quick mode must print.
 LINES = {
-    "engine.py": ["step_rtt_ms", "migration_ms", "engine_overhead_frac_4inst"],
+    "engine.py": ["step_rtt_ms", "migration_ms", "engine_overhead_frac_2inst"],
     "gpu_check.py": [],  # without CUDA it prints one line saying so
     "live.py": ["live_light_attainment_gap_pp"],
     "planner.py": ["plan_ms_16gpu", "ratio_highs_vs_pulp_16gpu"],
