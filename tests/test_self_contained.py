@@ -21,6 +21,7 @@ OUTSIDE = [
 
 def repository_files() -> list[Path]:
     skip = {".git", "target", "__pycache__", ".pytest_cache", ".ruff_cache", ".hypothesis"}
+    skip |= {".venv", "venv", "build", "dist"}  # what a user's own set-up may put there
     return [
         p
         for p in ROOT.rglob("*")

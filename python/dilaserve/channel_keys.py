@@ -9,7 +9,7 @@ directory, and need no keys.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
 import zmq
@@ -18,6 +18,12 @@ import zmq
 SERVER_KEY_ENV = "DILASERVE_CHANNEL_SERVER_KEY"
 PUBLIC_KEY_ENV = "DILASERVE_CHANNEL_PUBLIC_KEY"
 SECRET_KEY_ENV = "DILASERVE_CHANNEL_SECRET_KEY"
+ENVIRONMENT = (SERVER_KEY_ENV, PUBLIC_KEY_ENV, SECRET_KEY_ENV)
+
+
+def without_keys(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` without any channel keys: a worker gets only the keys its launch hands it."""
+    return {name: value for name, value in env.items() if name not in ENVIRONMENT}
 
 
 @dataclass(frozen=True, repr=False)
@@ -36,15 +42,15 @@ class WorkerKeys:
         }
 
     @classmethod
-    def from_environment(cls, env: Mapping[str, str] = os.environ) -> WorkerKeys | None:
-        """The keys a launcher handed over, or None (an IPC channel needs none)."""
-        names = (SERVER_KEY_ENV, PUBLIC_KEY_ENV, SECRET_KEY_ENV)
-        if not any(name in env for name in names):
+    def from_environment(cls, env: MutableMapping[str, str] = os.environ) -> WorkerKeys | None:
+        """The keys a launcher handed over, taken out of `env` (so that no child process
+        inherits them), or None (an IPC channel needs none)."""
+        if not any(name in env for name in ENVIRONMENT):
             return None
-        missing = [name for name in names if not env.get(name)]
+        missing = [name for name in ENVIRONMENT if not env.get(name)]
         if missing:
             raise ValueError(f"channel keys incomplete: {', '.join(missing)} not set")
-        return cls(*(env[name].encode() for name in names))
+        return cls(*(env.pop(name).encode() for name in ENVIRONMENT))
 
     def secure(self, socket: zmq.Socket) -> None:
         """Makes `socket` (before it connects) a CURVE client of the engine."""

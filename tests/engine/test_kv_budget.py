@@ -47,6 +47,13 @@ def test_a_request_longer_than_the_pool_is_refused_at_once(make_engine):
     with pytest.raises(BadRequestError, match="KV cache"):
         # About 60 prompt tokens and two 32-token blocks: 124 positions for a 100-token pool.
         harness.engine.add_request("1234567890+" * 5 + "1=", GenerationParams(max_tokens=64))
+    # Refused second of three submitted together: the first, already admitted, goes too.
+    fits, too_long = GenerationParams(max_tokens=8), GenerationParams(max_tokens=64)
+    items = [("12345+67890=", fits), ("1234567890+" * 5 + "1=", too_long), ("1+1=", fits)]
+    with pytest.raises(BadRequestError, match="KV cache") as info:
+        harness.call(harness.engine.add_requests, items)
+    assert info.value.index == 1 and harness.engine.active_requests == 0
+    assert harness.call(harness.engine.scheduler.instance, 0).residents == 0
 
 
 def test_a_waiting_request_no_instance_left_can_hold_fails_instead_of_waiting(

@@ -74,13 +74,16 @@ def test_a_streamed_list_interleaves_choices_by_index(live):
         stream=True,
         stream_options={"include_usage": True},
     )
-    texts, reasons = ["", ""], [None, None]
+    texts, reasons, ended = ["", ""], [None, None], []
     for chunk in stream:
         for choice in chunk.choices:
             texts[choice.index] += choice.text
             reasons[choice.index] = reasons[choice.index] or choice.finish_reason
+            if choice.finish_reason:
+                ended.append(choice.index)
     assert texts[1] == "80235" and tr.answer == texts[0]
     assert reasons == ["stop", "stop"]
+    assert ended == [1, 0], "the one-block answer ends while the five-block one streams"
     assert chunk.usage.completion_tokens == len(tr.answer) + 5
 
 
@@ -108,7 +111,7 @@ def test_n_samples_are_independent_requests_with_distinct_seeds(live):
     together = client.completions.create(n=3, seed=7, **args)
     assert [c.index for c in together.choices] == [0, 1, 2]
     alone = [client.completions.create(seed=s, **args).choices[0].text for s in (7, 8, 9)]
-    assert [c.text for c in together.choices] == alone
+    assert [c.text for c in together.choices] == alone and len(set(alone)) > 1
     greedy = client.completions.create(
         n=2, model="dilaserve-tiny", prompt="12345+67890=", max_tokens=8
     )
@@ -169,6 +172,22 @@ def test_echo_puts_the_prompt_before_the_completion(live):
         model="dilaserve-tiny", prompt="12345+67890=", max_tokens=8, echo=True, stream=True
     )
     assert "".join(c.choices[0].text for c in stream) == "12345+67890=80235"
+
+
+def test_echo_of_token_ids_is_checked_before_decoding(live):
+    status, body = post(live, "completions", {"prompt": [-1], "echo": True, "max_tokens": 8})
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+
+
+def test_chat_messages_are_checked_field_by_field(live):
+    for message, why in (
+        ({"role": "user", "content": "1+1=", "colour": "red"}, "colour"),
+        ({"role": "wizard", "content": "1+1="}, "role"),
+        ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, "text"),
+    ):
+        status, body = post(live, "chat/completions", {"messages": [message], "max_tokens": 8})
+        assert status == 400 and body["error"]["param"] == "messages", body
+        assert why in body["error"]["message"]
 
 
 def test_null_means_the_default(live):

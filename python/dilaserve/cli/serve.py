@@ -134,8 +134,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--read-timeout",
         type=float,
-        help="seconds a request's head may take to arrive after connecting, and its body "
-        "after the head; slower connections are closed (10)",
+        help="seconds a connection's first request head may take to arrive, and a body "
+        "after its head; slower connections are closed (10)",
     )
     p.add_argument(
         "--keepalive-timeout", type=float, help="seconds an idle keep-alive connection stays (15)"

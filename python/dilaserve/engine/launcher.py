@@ -24,7 +24,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 
-from dilaserve.channel_keys import WorkerKeys
+from dilaserve.channel_keys import WorkerKeys, without_keys
 from dilaserve.protocol import CacheMode
 
 log = logging.getLogger(__name__)
@@ -255,7 +255,7 @@ class LocalLauncher(Launcher):
             "dilaserve.worker",
             *argv,
             stdin=asyncio.subprocess.DEVNULL,
-            env=os.environ | spec.environment(),
+            env=without_keys(os.environ) | spec.environment(),
         )
         log.info(
             "launched worker %d of instance %d, rank %d of %d (pid %d)",

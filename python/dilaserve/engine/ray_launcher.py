@@ -35,6 +35,8 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from dilaserve.channel_keys import without_keys
+
 from .errors import LaunchError
 from .launcher import Launcher, NodesChanged, WorkerHandle, WorkerSpec, wait_group
 from .ray_nodes import NODE_ID_LABEL, RayNodes
@@ -74,7 +76,7 @@ class RankProcess:
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "dilaserve.worker", *argv],
                 stdin=subprocess.DEVNULL,
-                env=os.environ | env,
+                env=without_keys(os.environ) | env,
             )
         return self._process.wait()
 

@@ -67,7 +67,13 @@ class WorkerChannel:
             self._auth.configure_curve_callback("*", credentials_provider=_Admits(keys))
             keys.secure(self._socket)
             self.worker_keys = keys.workers
-            port = self._socket.bind_to_random_port(f"tcp://{host}")
+            try:
+                port = self._socket.bind_to_random_port(f"tcp://{host}")
+            except zmq.ZMQError:
+                self._auth.stop()
+                self._socket.close()
+                self._context.term()
+                raise
             self.endpoint = f"tcp://{host}:{port}"
         self._reader: asyncio.Task[None] | None = None
 
@@ -113,15 +119,19 @@ class WorkerChannel:
 
 
 class _Admits:
-    """The authenticator's check of a peer's CURVE key: only this channel's workers."""
+    """The authenticator's check of a peer's CURVE key: only this channel's workers. The
+    first refusal is a warning, later ones are counted (a peer retrying floods no log)."""
 
     def __init__(self, keys: ChannelKeys) -> None:
         self._keys = keys
+        self.refused = 0
 
     def callback(self, domain: str, key: bytes) -> bool:
         if self._keys.admits(key):
             return True
-        log.warning("refused a worker connection with an unknown key")
+        self.refused += 1
+        level = logging.WARNING if self.refused == 1 else logging.DEBUG
+        log.log(level, "refused a worker connection with an unknown key (%d so far)", self.refused)
         return False
 
 

@@ -15,7 +15,9 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
+import jinja2
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -36,6 +38,8 @@ from .streaming import StopText
 log = logging.getLogger(__name__)
 
 OPEN_PATHS = ("/health", "/ready", "/metrics")
+#: Bodies smaller than this are parsed on the event loop (a thread hop costs more).
+DECODE_ON_LOOP_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -45,8 +49,8 @@ class ServerSettings:
     max_body_bytes: int = 1 << 20
     #: Open connections at once; the next is answered 503 and closed.
     max_connections: int = 2048
-    #: A request's head must arrive within this long of connecting, its body within this
-    #: long of the head; slower connections are closed.
+    #: A connection's first request head must arrive within this long of connecting, and
+    #: every body within this long of its head; slower connections are closed.
     read_timeout_s: float = 10.0
     #: An idle keep-alive connection is closed after this long.
     keepalive_timeout_s: float = 15.0
@@ -111,13 +115,20 @@ class Server:
     # -- generation ------------------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = decode(await self._body(request), CompletionRequest)
+        body = await self._decode(request, CompletionRequest)
         return await self._generate(request, body, body.prompts(), chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body = decode(await self._body(request), ChatCompletionRequest)
+        body = await self._decode(request, ChatCompletionRequest)
         prompt = await asyncio.to_thread(self._chat_prompt, body)
         return await self._generate(request, body, [prompt], chat=True)
+
+    async def _decode(self, request: web.Request, kind: type) -> Any:
+        """The checked request body; a large one is parsed off the event loop."""
+        body = await self._body(request)
+        if len(body) < DECODE_ON_LOOP_BYTES:
+            return decode(body, kind)
+        return await asyncio.to_thread(decode, body, kind)
 
     async def _body(self, request: web.Request) -> bytes:
         timeout = self.settings.read_timeout_s
@@ -136,8 +147,16 @@ class Server:
         tokenizer = self.engine.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise bad_request("this model has no chat template", "messages")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        messages = [
+            {"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {})
+            for m in body.messages
+        ]
+        try:
+            return tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+        except jinja2.TemplateError as exc:  # the template refuses these messages
+            raise bad_request(f"the model's chat template: {exc}", "messages") from exc
 
     async def _generate(
         self, request: web.Request, body, prompts: list[str | list[int]], chat: bool
@@ -158,7 +177,6 @@ class Server:
                 f"{len(prompts)} prompts x n = {len(samples)} exceeds {MAX_CHOICES} choices", "n"
             )
         ids = await self._encode(prompts)
-        echoes = await self._echoes(prompts, ids) if getattr(body, "echo", False) else None
         try:
             reqs = self.engine.add_requests([(p, params) for p in ids for params in samples])
         except EngineError as exc:
@@ -169,17 +187,16 @@ class Server:
         rid = request.headers.get("X-Request-Id") or str(next(self._ids))
         log.info("[%s] requests %s admitted (user %s)", rid, [r.id for r in reqs], body.user)
         choices = [
-            _Choice(
-                i,
-                self.engine.outputs(req),
-                StopText(body.stops()),
-                echoes[i // len(samples)] if echoes else "",
-            )
+            _Choice(i, self.engine.outputs(req), StopText(body.stops()))
             for i, req in enumerate(reqs)
         ]
         shape = ResponseShape(chat, rid, self.settings.model_name)
         prompt_tokens = sum(len(p) for p in ids)
         try:
+            if getattr(body, "echo", False):  # the ids are checked: admitted
+                echoes = await self._echoes(prompts, ids)
+                for choice in choices:
+                    choice.echo = echoes[choice.index // len(samples)]
             if body.streaming:
                 return await self._stream(
                     request, shape, choices, prompt_tokens, body.include_usage
@@ -226,6 +243,9 @@ class Server:
                 self.metrics.ended(type(exc).__name__)
                 raise
             yield stop.feed(choice.last.delta, final=choice.last.finished), choice.last
+        if stop.stopped and not choice.last.finished:
+            self._ending(choice)  # its statistics, while the request still runs
+            await choice.outputs.aclose()  # which cancels its remaining steps
 
     async def _complete(
         self, shape: ResponseShape, choices: list[_Choice], prompt_tokens: int
@@ -243,7 +263,7 @@ class Server:
             shape.choice(c.index, c.echo + c.stop.text, reason, stats if len(choices) > 1 else None)
             for c, (reason, stats) in zip(choices, endings, strict=True)
         ]
-        use = self._usage(prompt_tokens, choices)
+        use = await self._usage(prompt_tokens, choices)
         return web.json_response(shape.full(bodies, use, endings[0][1]))
 
     async def _stream(
@@ -261,7 +281,7 @@ class Server:
         )
         await response.prepare(request)
         # Each choice's task queues its chunks, then None, or the error that ended it.
-        events: asyncio.Queue[dict | EngineError | None] = asyncio.Queue()
+        events: asyncio.Queue[dict | Exception | None] = asyncio.Queue()
 
         async def run(choice: _Choice) -> None:
             first = True
@@ -271,10 +291,10 @@ class Server:
                     if first or text:
                         events.put_nowait(shape.chunk(choice.index, text, first=first))
                     first = False
-            except EngineError as exc:
+                reason, _ = self._ending(choice)
+            except Exception as exc:  # handed to the writer below
                 events.put_nowait(exc)
                 return
-            reason, _ = self._ending(choice)
             events.put_nowait(shape.chunk(choice.index, "", finish_reason=reason))
             events.put_nowait(None)
 
@@ -289,6 +309,8 @@ class Server:
                     await _event(response, from_engine(item).body())
                     await response.write(b"data: [DONE]\n\n")
                     return response
+                elif isinstance(item, Exception):
+                    raise item
                 else:
                     await _event(response, item)
         finally:
@@ -297,7 +319,8 @@ class Server:
             await asyncio.gather(*tasks, return_exceptions=True)
         if include_usage:
             stats = self._ending(choices[0])[1] if len(choices) == 1 else None
-            await _event(response, shape.usage_chunk(self._usage(prompt_tokens, choices), stats))
+            use = await self._usage(prompt_tokens, choices)
+            await _event(response, shape.usage_chunk(use, stats))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
@@ -317,12 +340,19 @@ class Server:
             choice.ending = "stop", self.engine.stats_of(last.request_id)
         return choice.ending
 
-    def _usage(self, prompt_tokens: int, choices: list[_Choice]) -> dict:
-        tokenizer = self.engine.tokenizer
-        completion = sum(
-            len(tokenizer(c.stop.text, add_special_tokens=False)["input_ids"]) for c in choices
-        )
+    async def _usage(self, prompt_tokens: int, choices: list[_Choice]) -> dict:
+        """Token counts: a completion's tokens as generated, or, cut by a stop string, its
+        text's (tokenized off the event loop)."""
+        completion = 0
+        for c in choices:
+            if c.stop.stopped:
+                completion += len(await asyncio.to_thread(self._token_ids, c.stop.text))
+            else:
+                completion += len(c.last.token_ids)
         return usage(prompt_tokens, completion)
+
+    def _token_ids(self, text: str) -> list[int]:
+        return self.engine.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     # -- information -----------------------------------------------------------------------
 

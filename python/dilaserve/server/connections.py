@@ -1,8 +1,8 @@
 """Connection limits in front of aiohttp's per-connection protocol: at most
 `max_connections` open at once (the next gets a 503 and is closed), and a connection that
-has not sent a complete request head within `header_timeout_s` of opening is closed, so
-idle and slowloris connections cannot pile up. Idle keep-alive connections are closed by
-aiohttp's own keep-alive timeout.
+has not sent its first complete request head within `header_timeout_s` of opening is
+closed, so idle and slowloris connections cannot pile up. After its first request a
+connection is aiohttp's: idle keep-alive connections are closed by its keep-alive timeout.
 """
 
 from __future__ import annotations
@@ -61,7 +61,9 @@ class _Guarded(asyncio.Protocol):
         self._inner: asyncio.Protocol | None = None
         self._limits = limits
         self._timer: asyncio.TimerHandle | None = None
-        self._tail = b""
+        # The head seen so far, from its first byte (parsers skip blank lines before a
+        # request line, so leading CR/LF are no head at all); only its last 3 bytes kept.
+        self._tail: bytes | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         limits = self._limits
@@ -85,14 +87,23 @@ class _Guarded(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self._timer is not None:
-            seen = self._tail + data
-            if _HEAD_END in seen:
-                self._timer.cancel()
-                self._timer = None
-            else:
-                self._tail = seen[-3:]
+            self._watch_head(data)
         if self._inner is not None:
             self._inner.data_received(data)
+
+    def _watch_head(self, data: bytes) -> None:
+        if self._tail is None:
+            data = data.lstrip(b"\r\n")
+            if not data:
+                return
+            self._tail = b""
+        seen = self._tail + data
+        if _HEAD_END in seen:
+            assert self._timer is not None
+            self._timer.cancel()
+            self._timer = None
+        else:
+            self._tail = seen[-3:]
 
     def eof_received(self) -> bool | None:
         return None if self._inner is None else self._inner.eof_received()

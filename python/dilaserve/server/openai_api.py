@@ -205,14 +205,25 @@ class CompletionRequest(_Common, kw_only=True):
             )
 
 
-class ContentPart(msgspec.Struct):
+class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
     type: str
     text: str | None = None
+    # The other part kinds' fields, refused with their kind (only text is served).
+    image_url: dict | None = None
+    input_audio: dict | None = None
+    file: dict | None = None
+    refusal: str | None = None
+    prompt_cache_breakpoint: dict | None = None
 
 
-class ChatMessage(msgspec.Struct):
+#: Message roles of OpenAI's schema (`function` is its deprecated form of `tool`).
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     role: str
     content: str | list[ContentPart] | None = None
+    #: A participant's name: chat templates may use it.
     name: str | None = None
     tool_calls: list[dict] | None = None
     function_call: dict | None = None
@@ -221,6 +232,8 @@ class ChatMessage(msgspec.Struct):
     audio: dict | None = None
 
     def text(self) -> str:
+        if self.role not in ROLES:
+            raise bad_request(f"unknown message role {self.role!r}", "messages")
         if self.tool_calls or self.function_call or self.audio:
             raise bad_request("tool calls and audio in messages are not supported", "messages")
         if self.content is None:
@@ -272,7 +285,9 @@ class ChatCompletionRequest(_Common, kw_only=True):
             raise bad_request("messages must not be empty", "messages")
 
 
-_PATH = re.compile(r"at `\$\.?([A-Za-z_][\w]*)|unknown field `([^`]*)`")
+# The top-level field a msgspec error is about: its path, else the unknown field it names.
+_PATH = re.compile(r"at `\$\.?([A-Za-z_][\w]*)")
+_UNKNOWN = re.compile(r"unknown field `([^`]*)`")
 
 
 def decode(body: bytes, kind: type[msgspec.Struct]) -> msgspec.Struct:
@@ -284,8 +299,8 @@ def decode(body: bytes, kind: type[msgspec.Struct]) -> msgspec.Struct:
     try:
         request = msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
-        match = _PATH.search(str(exc))
-        raise bad_request(str(exc), match and (match.group(1) or match.group(2))) from exc
+        match = _PATH.search(str(exc)) or _UNKNOWN.search(str(exc))
+        raise bad_request(str(exc), match.group(1) if match else None) from exc
     except msgspec.DecodeError as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from exc
     request.check()  # type: ignore[attr-defined]

@@ -167,7 +167,7 @@ def _serve_engine(settings: WorkerSettings, runner: StepRunner) -> int:
     socket.setsockopt(zmq.IDENTITY, str(settings.worker_id).encode())
     socket.setsockopt(zmq.LINGER, 1000)
     keys = WorkerKeys.from_environment()
-    if keys is not None:
+    if keys is not None and settings.endpoint.startswith("tcp://"):
         keys.secure(socket)
     socket.connect(settings.endpoint)
     socket.send(
