@@ -11,11 +11,10 @@ from dilaserve.engine.rates import MIN_STEPS, REVISE_EVERY, OnlineRates
 from dilaserve.planner import FAST_DLLM_THRESHOLDS
 
 ASSUMED = [(o.threshold, o.tokens_per_step) for o in FAST_DLLM_THRESHOLDS]
-THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)
 
 
 def test_a_threshold_measured_often_enough_replaces_the_assumption():
-    rates = OnlineRates(ASSUMED, THRESHOLDS)
+    rates = OnlineRates(ASSUMED)
     assumed = dict(rates.table)
     for _ in range(MIN_STEPS - 1):
         rates.record(0.9, 1)

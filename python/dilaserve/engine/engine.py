@@ -18,7 +18,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 
-from dilaserve.planner import FAST_DLLM_THRESHOLDS, Arrival
+from dilaserve.planner import Arrival
 from dilaserve.predictor.serving import predictor_for
 from dilaserve.protocol import (
     CacheMode,
@@ -41,7 +41,7 @@ from dilaserve.scheduler import (
 )
 from dilaserve.tiny import default_model_dir
 
-from .admission import RequestBuilder
+from .admission import RequestBuilder, threshold_options
 from .config import EngineConfig, GenerationParams
 from .degrees import ModelDegrees
 from .errors import (
@@ -187,8 +187,7 @@ class Engine:
 
     def _assume_rates(self) -> OnlineRates:
         rates = OnlineRates(
-            [(o.threshold, o.tokens_per_step) for o in FAST_DLLM_THRESHOLDS],
-            self.config.thresholds,
+            [(o.threshold, o.tokens_per_step) for o in threshold_options(self.config)]
         )
         log.warning(
             "tokens per step per threshold are assumed (Fast-dLLM's GSM8K figures for "

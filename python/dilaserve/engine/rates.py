@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from statistics import median
 
-import numpy as np
-
 #: Steps at one threshold before its measured mean replaces the assumed rate.
 MIN_STEPS = 200
 #: Recorded steps between two revisions of the table.
@@ -22,14 +20,17 @@ REVISE_EVERY = 100
 
 
 class OnlineRates:
-    def __init__(self, assumed: Sequence[tuple[float, float]], thresholds: Sequence[float]):
-        self.assumed = tuple(sorted(assumed))
-        self.thresholds = tuple(sorted(thresholds))
+    """Learns the rates of the candidate thresholds; `assumed` gives each candidate's
+    assumed tokens per step (`admission.threshold_options` interpolates them)."""
+
+    def __init__(self, assumed: Sequence[tuple[float, float]]):
+        self.assumed = dict(sorted(assumed))
+        self.thresholds = tuple(self.assumed)
         self._steps = dict.fromkeys(self.thresholds, 0)
         self._tokens = dict.fromkeys(self.thresholds, 0)
         self._since_revision = 0
         #: The current table, `(τ, tokens per step)` ascending; the assumption until learned.
-        self.table = tuple((t, self._assumed(t)) for t in self.thresholds)
+        self.table = tuple(self.assumed.items())
 
     def record(self, tau: float, committed: int) -> bool:
         """Counts one request's step; returns whether the table was revised."""
@@ -56,9 +57,10 @@ class OnlineRates:
         measured = self.measured
         if not measured:
             return self.table
-        scale = median(self._tokens[t] / self._steps[t] / self._assumed(t) for t in measured)
+        assumed = self.assumed
+        scale = median(self._tokens[t] / self._steps[t] / assumed[t] for t in measured)
         rates = {
-            t: self._tokens[t] / self._steps[t] if t in measured else scale * self._assumed(t)
+            t: self._tokens[t] / self._steps[t] if t in measured else scale * assumed[t]
             for t in self.thresholds
         }
         # A higher threshold never commits more per step: keep the table monotone.
@@ -67,8 +69,3 @@ class OnlineRates:
             floor = max(floor, rates[t])
             ordered.append((t, floor))
         return tuple(reversed(ordered))
-
-    def _assumed(self, tau: float) -> float:
-        """The assumed table at `tau`, interpolated (clamped at its ends)."""
-        taus, rates = zip(*self.assumed, strict=True)
-        return float(np.interp(tau, taus, rates))

@@ -341,14 +341,14 @@ class Server:
         return choice.ending
 
     async def _usage(self, prompt_tokens: int, choices: list[_Choice]) -> dict:
-        """Token counts: a completion's tokens as generated, or, cut by a stop string, its
-        text's (tokenized off the event loop)."""
+        """Token counts: a completion's tokens as its statistics count them, or, cut by a
+        stop string, its text's (tokenized off the event loop)."""
         completion = 0
         for c in choices:
             if c.stop.stopped:
                 completion += len(await asyncio.to_thread(self._token_ids, c.stop.text))
             else:
-                completion += len(c.last.token_ids)
+                completion += self._ending(c)[1].completion_tokens
         return usage(prompt_tokens, completion)
 
     def _token_ids(self, text: str) -> list[int]:
