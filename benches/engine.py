@@ -34,8 +34,7 @@ from dilaserve.protocol import (
     encode,
 )
 from dilaserve.tiny import default_model_dir
-from dilaserve.tiny.evaluate import gen_length
-from dilaserve.tiny.tasks import make_problems
+from dilaserve.tiny.tasks import gen_length, make_problems
 
 CLIENTS_PER_INSTANCE = 4
 

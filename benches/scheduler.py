@@ -1,5 +1,5 @@
 """Scheduling-round benchmark: the Rust core against the pure-Python reference
-(`sched_reference.py`) on the same events, side by side in one run.
+(`tests/sched_reference.py`) on the same events, side by side in one run.
 
 A round is load control + instance choice + threshold choice over every active request.
 Each configuration admits N requests on M instances (TP 1/2/4), then runs rounds in a
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from sched_reference import ReferenceScheduler, assert_same  # noqa: E402
 

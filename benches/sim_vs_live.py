@@ -39,7 +39,7 @@ from dilaserve.predictor import progress as progress_model
 from dilaserve.scheduler import LatencyProfile
 from dilaserve.sim import ClusterSetup, Workload, simulate
 from dilaserve.tiny import default_model_dir
-from dilaserve.tiny.evaluate import gen_length
+from dilaserve.tiny.tasks import gen_length
 
 BLOCK = 32
 #: Cached contexts the profile times cache steps at: the tiny tasks' sequence lengths.

@@ -30,12 +30,10 @@ LINES = {
     "sim_vs_live.py": ["sim_vs_live_attainment_abs_diff_pp"],
     "tp.py": ["tp2_step_time_ratio", "tp_commit_bytes_per_position"],
 }
-#: Modules in benches/ that are not benchmarks.
-HELPERS = {"sched_reference.py"}
 
 
 def test_every_bench_has_a_quick_run_here():
-    scripts = {p.name for p in BENCHES.glob("*.py")} - HELPERS
+    scripts = {p.name for p in BENCHES.glob("*.py")}
     assert scripts == set(LINES)
 
 

@@ -1,18 +1,17 @@
 """The Rust scheduler against the independent pure-Python implementation in
-benches/sched_reference.py: random event traces under every policy, instance capacity and
+tests/sched_reference.py: random event traces under every policy, instance capacity and
 admission bound must produce identical decisions and finished-request records, round after
 round."""
 
 from __future__ import annotations
 
 import dataclasses
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sched_profiles import make_profile
+from sched_reference import ReferenceScheduler, assert_same
 
 from dilaserve.scheduler import (
     AdmissionError,
@@ -22,9 +21,6 @@ from dilaserve.scheduler import (
     SchedulerConfig,
     StepResult,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benches"))
-from sched_reference import ReferenceScheduler, assert_same  # noqa: E402
 
 # Optional (KV tokens, request slots, batch budget) of a new instance.
 capacity = st.tuples(

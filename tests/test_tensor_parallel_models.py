@@ -36,8 +36,7 @@ from dilaserve.models import checkpoint as checkpoint_module
 from dilaserve.models.parallel import split_dim
 from dilaserve.models.testing import write_tiny_checkpoint
 from dilaserve.tiny import default_model_dir
-from dilaserve.tiny.evaluate import gen_length
-from dilaserve.tiny.tasks import make_problems
+from dilaserve.tiny.tasks import gen_length, make_problems
 from dilaserve.worker.generate import generate
 from dilaserve.worker.kv_cache import KVCachePool
 from dilaserve.worker.local_group import run_on_group, spawn_ranks

@@ -6,8 +6,7 @@ from functools import cache
 
 from dilaserve.models import encode_prompt, load_model, load_tokenizer
 from dilaserve.tiny import default_model_dir
-from dilaserve.tiny.evaluate import gen_length
-from dilaserve.tiny.tasks import Problem, check, make_problems
+from dilaserve.tiny.tasks import Problem, check, gen_length, make_problems
 from dilaserve.worker.generate import Generation, generate
 from dilaserve.worker.runner import StepRunner
 

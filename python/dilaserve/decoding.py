@@ -15,7 +15,6 @@ import functools
 import math
 
 import numpy as np
-import torch
 
 #: The end of Dream's timestep grid: `linspace(1, eps, steps + 1)` (its default `eps`).
 DREAM_EPS = 1e-3
@@ -72,7 +71,11 @@ def option_problem(
 @functools.lru_cache(maxsize=64)
 def dream_timesteps(steps: int) -> tuple[float, ...]:
     """Dream's grid for `steps` steps, `torch.linspace(1, eps, steps + 1)` in float32 as its
-    generate computes it (the transfer counts are truncated products of these values)."""
+    generate computes it (the transfer counts are truncated products of these values).
+    Torch is imported here, not at module level, so that the scheduler and simulator side of
+    the package (which shares these rules) loads without it."""
+    import torch
+
     return tuple(torch.linspace(1.0, DREAM_EPS, steps + 1, dtype=torch.float32).tolist())
 
 

@@ -18,8 +18,7 @@ from dilaserve.engine import (
     RequestCancelledError,
     UnknownRequestError,
 )
-from dilaserve.tiny.evaluate import gen_length
-from dilaserve.tiny.tasks import check, make_problems
+from dilaserve.tiny.tasks import check, gen_length, make_problems
 
 SEED = 424_242
 

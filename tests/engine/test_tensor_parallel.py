@@ -18,8 +18,7 @@ from dilaserve.engine import GenerationParams
 from dilaserve.engine.launcher import LocalGroup
 from dilaserve.models import UnsupportedDegreeError
 from dilaserve.models.testing import write_tiny_checkpoint
-from dilaserve.tiny.evaluate import gen_length
-from dilaserve.tiny.tasks import check, make_problems
+from dilaserve.tiny.tasks import check, gen_length, make_problems
 
 SEED = 515_151
 PINNED = {"threshold": PINNED_TAU}

@@ -19,8 +19,7 @@ from dilaserve.server.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
 )
-from dilaserve.tiny.evaluate import gen_length
-from dilaserve.tiny.tasks import make_problems
+from dilaserve.tiny.tasks import gen_length, make_problems
 
 SCHEMA = json.loads((Path(__file__).parent / "data" / "openai_requests.json").read_text())
 ADDITIONS = {"12345+67890=": "80235", "11111+22222=": "33333", "23456+11111=": "34567"}

@@ -22,8 +22,7 @@ from tiny_problems import PINNED_TAU, solvable
 from tp_profiles import write_tp_profile
 
 from dilaserve.engine import GenerationParams
-from dilaserve.tiny.evaluate import gen_length
-from dilaserve.tiny.tasks import check
+from dilaserve.tiny.tasks import check, gen_length
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402

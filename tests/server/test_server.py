@@ -14,8 +14,7 @@ from tiny_problems import PINNED_TAU, decode_alone
 
 from dilaserve.models import load_tokenizer
 from dilaserve.tiny import default_model_dir
-from dilaserve.tiny.evaluate import gen_length
-from dilaserve.tiny.tasks import check, make_problems
+from dilaserve.tiny.tasks import check, gen_length, make_problems
 
 API_KEY = "test-key"  # the shared server's key (conftest)
 SEED = 99_001

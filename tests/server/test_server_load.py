@@ -9,8 +9,7 @@ import aiohttp
 import openai
 from tiny_problems import PINNED_TAU, solvable
 
-from dilaserve.tiny.evaluate import gen_length
-from dilaserve.tiny.tasks import check, make_problems
+from dilaserve.tiny.tasks import check, gen_length, make_problems
 
 SEED = 77_001
 

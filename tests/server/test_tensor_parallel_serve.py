@@ -14,8 +14,7 @@ from tp_profiles import write_tp_profile
 
 from dilaserve.cli import build_parser
 from dilaserve.cli.serve import engine_config, settings_from
-from dilaserve.tiny.evaluate import gen_length
-from dilaserve.tiny.tasks import check
+from dilaserve.tiny.tasks import check, gen_length
 
 
 def test_serve_a_mixed_degree_cluster(start_server, tmp_path):

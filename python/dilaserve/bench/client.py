@@ -10,8 +10,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from dilaserve.tiny.evaluate import gen_length
-from dilaserve.tiny.tasks import check, make_problems
+from dilaserve.tiny.tasks import check, gen_length, make_problems
 
 from .workload import Arrival
 

@@ -18,8 +18,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from dilaserve.models import encode_prompt
-from dilaserve.protocol import whole_blocks
-from dilaserve.tiny.tasks import Problem, check
+from dilaserve.tiny.tasks import Problem, check, gen_length
 from dilaserve.worker.generate import generate
 from dilaserve.worker.runner import StepRunner
 
@@ -51,11 +50,6 @@ class SweepRow:
 
     def to_dict(self) -> dict[str, float | str | int]:
         return asdict(self)
-
-
-def gen_length(problem: Problem, block_length: int) -> int:
-    """Output positions offered: the answer bound plus EOS, rounded up to whole blocks."""
-    return whole_blocks(problem.max_tokens + 1, block_length)
 
 
 def decode_problems(

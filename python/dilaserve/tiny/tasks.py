@@ -28,6 +28,8 @@ import string
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from dilaserve.protocol import whole_blocks
+
 LETTERS = string.ascii_lowercase
 DIGITS = string.digits
 
@@ -154,6 +156,11 @@ def make_problems(n: int, seed: int, tasks: tuple[str, ...] | None = None) -> li
     """`n` problems drawn with `seed`: the same seed always gives the same list."""
     rng = random.Random(seed)
     return [sample_problem(rng, tasks) for _ in range(n)]
+
+
+def gen_length(problem: Problem, block_length: int) -> int:
+    """Output positions offered: the answer bound plus EOS, rounded up to whole blocks."""
+    return whole_blocks(problem.max_tokens + 1, block_length)
 
 
 def check(problem: Problem, answer: str) -> bool:
