@@ -31,7 +31,7 @@ from dilaserve.bench import SweepSpec, run_sweep
 from dilaserve.bench.client import Client
 from dilaserve.bench.sweep import spawned_server
 from dilaserve.bench.workload import Arrival
-from dilaserve.engine.config import DEFAULT_THRESHOLDS
+from dilaserve.engine import EngineConfig
 from dilaserve.engine.quality import quality_floor
 from dilaserve.models import encode_prompt, load_tokenizer
 from dilaserve.predictor import collect as traces
@@ -138,7 +138,7 @@ def main() -> None:
         live, slo = run_sweep(spec, on_summary=lambda s: print(json.dumps(s.to_dict())))
         profile = LatencyProfile.load(str(profile_path))
         shipped = progress_model.load(model_dir / "progress.json")
-        thresholds = quality_floor(DEFAULT_THRESHOLDS, model_dir, 0.03)
+        thresholds = quality_floor(EngineConfig().thresholds, model_dir, 0.03)
         runs = 40 if args.quick else 200
         by_task = task_progress(thresholds, shipped, Path(tmp) / "traces.parquet", runs)
     setup = ClusterSetup(

@@ -340,10 +340,10 @@ def test_bad_instances(profile: LatencyProfile) -> None:
         (SchedulerConfig(thresholds=()), "candidate threshold set is empty"),
         (SchedulerConfig(thresholds=(0.5, 1.5)), "must be in \\(0, 1\\]"),
         (SchedulerConfig(block_length=0), "block size must be at least 1"),
-        (SchedulerConfig(max_batch_tokens=-1), "max_batch_tokens must be non-negative"),
+        (SchedulerConfig(max_batch_tokens=-1), "max_batch_tokens: invalid value: integer `-1`"),
         (SchedulerConfig(slo_window_s=0.0), "SLO window must be positive"),
         (SchedulerConfig(policy=Policy.infaas_like(0.0)), "fixed threshold must be in"),
-        (SchedulerConfig(policy=Policy(load_order="lifo")), 'unknown load order "lifo"'),
+        (SchedulerConfig(policy=Policy(load_order="lifo")), "policy.load_order: unknown variant"),
         (SchedulerConfig(policy=Policy(predict_every=0)), "interval must be at least 1"),
         (SchedulerConfig(predictor_rates=((0.5, 0.2),)), "at least 1 token per step"),
     ],
@@ -405,3 +405,29 @@ def test_readme_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
     exec(compile(readme_example(), "README.md", "exec"), {})
     out = capsys.readouterr().out
     assert "finished" in out
+
+
+def test_settings_are_declared_once_in_the_core() -> None:
+    """`SchedulerConfig`, `EngineConfig` and `ClusterSetup` carry the core's settings with
+    the core's defaults; the named policies are the core's."""
+    from dilaserve.engine import EngineConfig
+    from dilaserve.scheduler import POLICY_SETTINGS, PRESETS, SCHEDULER_SETTINGS
+    from dilaserve.sim import ClusterSetup
+
+    names = [f["name"] for f in SCHEDULER_SETTINGS]
+    config = SchedulerConfig()
+    assert [f.name for f in dataclasses.fields(config)][: len(names)] == names
+    for f in SCHEDULER_SETTINGS:
+        value = getattr(config, f["name"])
+        if f["name"] != "policy":
+            assert value == (tuple(f["default"]) if isinstance(value, tuple) else f["default"])
+    assert Policy() == Policy.dilaserve() and [f["name"] for f in POLICY_SETTINGS] == [
+        f.name for f in dataclasses.fields(Policy)
+    ]
+    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    assert set(names) - engine_fields == {"caching"}
+    cluster_fields = {f.name for f in dataclasses.fields(ClusterSetup)}
+    assert set(names) - cluster_fields == {"policy"}
+    assert EngineConfig().scheduler_config() == SchedulerConfig()
+    assert {"dilaserve", "infaas", "llumnix", "paper", "no-reconfig"} <= set(PRESETS)
+    assert Policy.named("llumnix") == Policy.llumnix_like()

@@ -283,3 +283,51 @@ def test_finished_requests_carry_their_history(profile: LatencyProfile) -> None:
         assert (f.arrival, f.deadline, f.first_dispatch) == (0.5, 10.0, 1.0)
         assert (f.instances, f.migrations) == moved[f.id]
         assert all(t in (0.5, 0.6, 0.7, 0.8, 0.9) for t in f.taus)
+
+
+def test_a_pinned_threshold_is_what_every_step_runs_and_records(profile: LatencyProfile) -> None:
+    s = Scheduler(profile)
+    s.add_instance(1, tp=1, gpus=[0])
+    s.arrive(7, arrival=0.0, deadline=100.0, prompt_len=16, output_len=32, pinned_tau=0.73)
+    steps = 0
+    while True:
+        d = s.schedule(float(steps))
+        (entry,) = d.batch_for(1).entries
+        assert entry.tau == 0.73, "not the nearest candidate: exactly the pinned value"
+        assert scheduler.THRESHOLD_REASONS[d.entry_reasons[0]] == "pinned"
+        steps += 1
+        assert s.served_so_far(7).taus == [0.73] * (steps - 1)
+        finished = s.step_done(1, 0.01, [StepResult(7, 8)])
+        if finished:
+            break
+    assert finished[0].taus == [0.73] * 4 and finished[0].steps == 4
+    with pytest.raises(SchedulerError, match="pinned"):
+        s.arrive(8, arrival=0.0, deadline=9.0, prompt_len=4, output_len=4, pinned_tau=1.5)
+
+
+def test_each_batch_releases_what_left_its_instance(profile: LatencyProfile) -> None:
+    """Residency is the scheduler's: a request that finished, was cancelled or moved away is
+    released by its old instance's next command; a request new there is `new_here`."""
+    s = Scheduler(profile, SchedulerConfig(policy=Policy.llumnix_like()))
+    s.add_instance(1, tp=1, gpus=[0])
+    for rid in (1, 2, 3):
+        s.arrive(rid, arrival=0.0, deadline=100.0, prompt_len=16, output_len=64)
+    batch = s.schedule(0.0).batch_for(1)
+    assert ids(batch) == [1, 2, 3] and all(e.new_here for e in batch.entries)
+    assert batch.release == []
+    s.step_done(1, 0.01, [StepResult(1, 1, finished=True), *report(batch)[1:]])
+    s.cancel(2)
+    batch = s.schedule(0.1).batch_for(1)
+    assert batch.release == [1, 2] and ids(batch) == [3]
+    assert not batch.entries[0].new_here
+    s.add_instance(2, tp=1, gpus=[1])
+    s.step_done(1, 0.01, [StepResult(3, 31)])  # the block is done: its next step recomputes
+    s.drain_instance(1)
+    d = s.schedule(0.2)
+    (moved,) = d.migrations
+    assert (moved.request, moved.from_instance, moved.to_instance) == (3, 1, 2)
+    assert ids(d.batch_for(2)) == [3] and d.batch_for(2).entries[0].new_here
+    s.undrain_instance(1)
+    s.arrive(4, arrival=0.3, deadline=100.0, prompt_len=16, output_len=64)
+    batch = s.schedule(0.3).batch_for(1)
+    assert ids(batch) == [4] and batch.release == [3]

@@ -63,9 +63,10 @@ class LatencyProfile:
 class Decisions:
     """Decisions of one round as packed little-endian records.
 
-    batches: (instance u64, start u64, len u64, tokens u64, predicted_finish f64) each;
-    entries: (request u64, tau f64, kind u8, new_here u8, tokens u64, block u32,
-    unmasked_in_block u32); waiting: (request u64, reason u8).
+    batches: (instance u64, start u64, len u64, tokens u64, predicted_finish f64,
+    release_start u64, release_len u64) each; entries: (request u64, tau f64, kind u8,
+    new_here u8, tokens u64, block u32, unmasked_in_block u32, ...); releases: u64 ids;
+    waiting: (request u64, reason u8).
     """
 
     now: float
@@ -73,6 +74,7 @@ class Decisions:
     overloaded: bool
     batches: bytes
     entries: bytes
+    releases: bytes
     waiting: bytes
     def migrations(self) -> list[tuple[int, int, int, str]]: ...
 
@@ -123,6 +125,7 @@ class Scheduler:
         block_length: int | None = None,
         thresholds: list[float] | None = None,
         explicit_deadline: bool = True,
+        pinned_tau: float | None = None,
     ) -> None: ...
     def step_done(
         self,
@@ -149,6 +152,9 @@ class Scheduler:
     def remove_instance(self, id: int) -> None: ...
     def schedule(self, now: float) -> Decisions: ...
     def instance_ids(self) -> list[int]: ...
+    def served_so_far(
+        self, id: int
+    ) -> tuple[int, int, int, list[float], list[int], int, float | None, float, float]: ...
     def request(self, id: int) -> dict[str, object]: ...
     def instance(self, id: int) -> dict[str, object]: ...
 

@@ -16,8 +16,9 @@ request's step first is busy, the request waits for it (`queued_busy`).
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal, NamedTuple
 
@@ -36,8 +37,12 @@ from dilaserve._core import (
     UnknownInstanceError,
     UnknownRequestError,
 )
+from dilaserve.settings import Schema, settings_class, settings_values
 
 __all__ = [
+    "POLICY_SETTINGS",
+    "PRESETS",
+    "SCHEDULER_SETTINGS",
     "AdmissionError",
     "Batch",
     "BatchEntry",
@@ -69,12 +74,20 @@ STEP_KINDS: tuple[str, ...] = _core.STEP_KINDS
 WAIT_REASONS: tuple[str, ...] = _core.WAIT_REASONS
 #: Why a step got its threshold: `fixed` (the policy's), `fits` (the highest allowed whose
 #: estimate meets the deadline), `capped` (load control's cap; a higher one would have met
-#: it), `late` (none meets it: the lowest allowed).
+#: it), `late` (none meets it: the lowest allowed), `pinned` (the request's own).
 THRESHOLD_REASONS: tuple[str, ...] = _core.THRESHOLD_REASONS
 MIGRATION_REASONS: tuple[str, ...] = _core.MIGRATION_REASONS
 # Record layouts written by the core (rust/src/bindings/decisions.rs).
 _BATCH = np.dtype(
-    [("instance", "<u8"), ("start", "<u8"), ("len", "<u8"), ("tokens", "<u8"), ("finish", "<f8")]
+    [
+        ("instance", "<u8"),
+        ("start", "<u8"),
+        ("len", "<u8"),
+        ("tokens", "<u8"),
+        ("finish", "<f8"),
+        ("release_start", "<u8"),
+        ("release_len", "<u8"),
+    ]
 )
 _ENTRY = np.dtype(
     [
@@ -94,102 +107,96 @@ _ENTRY = np.dtype(
 _WAITING = np.dtype([("request", "<u8"), ("reason", "u1")])
 
 
-@dataclass(frozen=True)
-class Policy:
-    """How the scheduler decides. DiLaServe, the DESIGN §8 baselines and the ablations are
-    all values of this class, so every comparison runs the same scheduler."""
+_SETTINGS = json.loads(_core.scheduler_settings_json())
+#: The scheduler's settings as the core declares them: name, doc, kind and default of each
+#: field (`dilaserve.settings`); the policy's fields are nested under `policy`.
+SCHEDULER_SETTINGS: Schema = _SETTINGS["scheduler"]
+POLICY_SETTINGS: Schema = next(f for f in SCHEDULER_SETTINGS if f["name"] == "policy")["fields"]
+#: Every named policy (DESIGN §8's baselines and ablations): its doc, its settings, and
+#: whether the simulator runs it on the baselines' fixed layout. One registry for the
+#: server, the benchmarks and the simulator.
+PRESETS: dict[str, dict] = {p["name"]: p for p in _SETTINGS["presets"]}
 
-    threshold: Literal["slo_aware", "fixed"] = "slo_aware"
-    #: Threshold of every step when `threshold == "fixed"`.
-    fixed_tau: float = 0.9
-    load_control: bool = True
-    #: `forecast`: the active requests plus the arrivals expected within the SLO window,
-    #: against `target_utilisation` of capacity, one level for all (ours); `window`: DESIGN
-    #: §5 as written (active requests only; the earliest keep the highest thresholds).
-    load_model: Literal["forecast", "window"] = "forecast"
-    #: An arrival that cannot meet its deadline even at its lowest threshold under the
-    #: current load: `reject` (`AdmissionError`, HTTP 429), `best_effort` (served behind
-    #: every other request) or `off` (admitted like any other).
-    admission: Literal["reject", "best_effort", "off"] = "reject"
-    load_order: Literal["arrival", "priority"] = "arrival"
-    instance_choice: Literal["earliest_completion", "least_loaded"] = "earliest_completion"
-    #: Let requests change instance between steps (with caching: before recompute steps).
-    migration: bool = True
-    prediction: Literal["online", "one_shot"] = "online"
-    #: With online prediction, re-run the predictor every this many steps of a request.
-    #: DESIGN §3: the largest interval whose error stays within 5 % of refreshing every
-    #: step. On dilaserve-tiny that is 1 (every 2 steps already errs 9 % more;
-    #: `benches/predictor.py`, `predict_every_default`); measure it for other models.
-    predict_every: int = 1
+
+class _PolicyPresets:
+    """The named policies as constructors, and the ablations as edits."""
+
+    @classmethod
+    def named(cls, name: str) -> Policy:
+        """A policy of `PRESETS`, or `fixed-T`: threshold T with DiLaServe's instance choice
+        (`SchedulerConfigError` for anything else)."""
+        return cls(**json.loads(_core.policy_named_json(name)))  # type: ignore[return-value]
 
     @classmethod
     def dilaserve(cls) -> Policy:
-        return cls()
+        return cls.named("dilaserve")
 
     @classmethod
     def infaas_like(cls, tau: float = 0.9) -> Policy:
         """Fixed threshold, least-loaded dispatch, no migration, no load control."""
-        return cls(
-            threshold="fixed",
-            fixed_tau=tau,
-            load_control=False,
-            load_model="window",
-            admission="off",
-            instance_choice="least_loaded",
-            migration=False,
-        )
+        return dataclasses.replace(cls.named("infaas"), fixed_tau=tau)
 
     @classmethod
     def llumnix_like(cls, tau: float = 0.9) -> Policy:
         """INFaaS-like plus step-level migration for load balance."""
-        return dataclasses.replace(cls.infaas_like(tau), migration=True)
+        return dataclasses.replace(cls.named("llumnix"), fixed_tau=tau)
 
     def without_load_control(self) -> Policy:
-        return dataclasses.replace(self, load_control=False)
+        return dataclasses.replace(self, load_control=False)  # type: ignore[type-var]
 
     def window_load_control(self) -> Policy:
         """DESIGN §5's load control as written (the paper's policy)."""
-        return dataclasses.replace(self, load_model="window")
+        return dataclasses.replace(self, load_model="window")  # type: ignore[type-var]
 
     def without_admission(self) -> Policy:
-        return dataclasses.replace(self, admission="off")
+        return dataclasses.replace(self, admission="off")  # type: ignore[type-var]
 
     def without_migration(self) -> Policy:
-        return dataclasses.replace(self, migration=False)
+        return dataclasses.replace(self, migration=False)  # type: ignore[type-var]
 
     def one_shot(self) -> Policy:
-        return dataclasses.replace(self, prediction="one_shot")
+        return dataclasses.replace(self, prediction="one_shot")  # type: ignore[type-var]
 
 
-@dataclass(frozen=True)
-class SchedulerConfig:
-    #: Candidate thresholds.
-    thresholds: tuple[float, ...] = (0.5, 0.6, 0.7, 0.8, 0.9)
-    #: Default block size of requests that do not name one.
-    block_length: int = 32
-    #: Approximate KV cache on (recompute / cache steps) or off (no-cache steps).
-    caching: bool = True
-    #: Most tokens one instance step may process.
-    max_batch_tokens: int = 8192
-    #: SLO window load control plans for; None uses the mean SLO of active requests.
-    slo_window_s: float | None = None
-    #: While load control finds the cluster overloaded, reject an arrival (`AdmissionError`)
-    #: once this many requests wait for their first step. None admits everything.
-    max_queued: int | None = None
-    #: Share of capacity the forecast load control plans to fill; the rest absorbs bursts
-    #: and prediction error.
-    target_utilisation: float = 0.9
-    policy: Policy = field(default_factory=Policy)
+Policy = settings_class(
+    "Policy",
+    POLICY_SETTINGS,
+    doc="How the scheduler decides (fields and defaults: the core's `Policy`). DiLaServe, "
+    "the DESIGN §8 baselines and the ablations are all values of this class, so every "
+    "comparison runs the same scheduler.",
+    bases=(_PolicyPresets,),
+    module=__name__,
+)
+
+#: Settings of the scheduler's predictor: Python-side choices, not the core's settings.
+_PREDICTOR_FIELDS = [
     #: `(threshold, mean tokens per step)` points of the default predictor; None uses
     #: Fast-dLLM's GSM8K figures.
-    predictor_rates: tuple[tuple[float, float], ...] | None = None
+    ("predictor_rates", "tuple[tuple[float, float], ...] | None", dataclasses.field(default=None)),
     #: LightGBM model of remaining steps (`predictor.txt`, with `predictor_recompute.txt`
     #: beside it if present), evaluated natively instead of the mean-rate table.
-    predictor_model: str | None = None
+    ("predictor_model", "str | None", dataclasses.field(default=None)),
     #: For experiments: a predictor object instead (`dilaserve.predictor.GbmPredictor` or
     #: `MeanRatePredictor`, run natively, or any object with the `PythonPredictor`
     #: method). At most one of `predictor_rates`, `predictor_model` and `predictor`.
-    predictor: object | None = field(default=None, compare=False)
+    ("predictor", "object | None", dataclasses.field(default=None, compare=False)),
+]
+
+SchedulerConfig = settings_class(
+    "SchedulerConfig",
+    SCHEDULER_SETTINGS,
+    doc="The scheduler's settings (fields and defaults: the core's `SchedulerConfig`), "
+    "and which step predictor it uses.",
+    nested={"policy": Policy},
+    extra=_PREDICTOR_FIELDS,
+    module=__name__,
+)
+
+
+def check_settings(config: SchedulerConfig) -> None:
+    """Raises `SchedulerConfigError` for settings a scheduler would refuse, so that a bad
+    value fails where it is given, not when an engine starts."""
+    _core.check_scheduler_settings_json(json.dumps(settings_values(config, SCHEDULER_SETTINGS)))
 
 
 class StepResult(NamedTuple):
@@ -232,6 +239,9 @@ class Batch(NamedTuple):
     entries: list[BatchEntry]
     tokens: int
     predicted_finish: float
+    #: Requests the instance drops before this step: they left it since its last batch
+    #: (finished, cancelled, moved away, their step aborted).
+    release: list[int] = []
 
 
 class Migration(NamedTuple):
@@ -340,6 +350,10 @@ class Decisions:
         self.batch_tokens: np.ndarray = batches["tokens"]
         #: Predicted end time of each batch's step.
         self.batch_finish: np.ndarray = batches["finish"]
+        #: Each batch's released requests: `releases[start : start + len]`.
+        self.batch_release_starts: np.ndarray = batches["release_start"]
+        self.batch_release_lens: np.ndarray = batches["release_len"]
+        self.releases: np.ndarray = np.frombuffer(core.releases, dtype="<u8")
         self.entry_requests: np.ndarray = entries["request"]
         self.entry_taus: np.ndarray = entries["tau"]
         #: Step kind codes; `STEP_KINDS[code]` names them.
@@ -385,13 +399,16 @@ class Decisions:
         tokens_ = self.entry_tokens.tolist()
         blocks = self.entry_blocks.tolist()
         unmasked = self.entry_unmasked_in_block.tolist()
+        releases = self.releases.tolist()
         out = []
-        for instance, start, length, tokens, finish in zip(
+        for instance, start, length, tokens, finish, r_start, r_len in zip(
             self.batch_instances.tolist(),
             self.batch_starts.tolist(),
             self.batch_lens.tolist(),
             self.batch_tokens.tolist(),
             self.batch_finish.tolist(),
+            self.batch_release_starts.tolist(),
+            self.batch_release_lens.tolist(),
             strict=True,
         ):
             entries = [
@@ -406,7 +423,9 @@ class Decisions:
                 )
                 for i in range(start, start + length)
             ]
-            out.append(Batch(instance, entries, tokens, finish))
+            out.append(
+                Batch(instance, entries, tokens, finish, releases[r_start : r_start + r_len])
+            )
         return out
 
     @cached_property
@@ -437,31 +456,14 @@ class Scheduler:
     """
 
     def __init__(self, profile: LatencyProfile, config: SchedulerConfig | None = None) -> None:
-        self.config = config if config is not None else SchedulerConfig()
-        c, p = self.config, self.config.policy
+        self.config = c = config if config is not None else SchedulerConfig()
         rates = None if c.predictor_rates is None else [tuple(r) for r in c.predictor_rates]
         self._core = _core.Scheduler(
             profile,
-            thresholds=list(c.thresholds),
-            block_length=c.block_length,
-            caching=c.caching,
-            max_batch_tokens=c.max_batch_tokens,
-            slo_window_s=c.slo_window_s,
-            threshold_policy=p.threshold,
-            fixed_tau=p.fixed_tau,
-            load_control=p.load_control,
-            load_order=p.load_order,
-            instance_choice=p.instance_choice,
-            migration=p.migration,
-            prediction=p.prediction,
-            predict_every=p.predict_every,
+            json.dumps(settings_values(c, SCHEDULER_SETTINGS)),
             predictor_rates=rates,
-            max_queued=c.max_queued,
             predictor=getattr(c.predictor, "native", c.predictor),
             predictor_model=None if c.predictor_model is None else str(c.predictor_model),
-            load_model=p.load_model,
-            admission=p.admission,
-            target_utilisation=c.target_utilisation,
         )
 
     @property
@@ -502,8 +504,13 @@ class Scheduler:
         block_length: int | None = None,
         thresholds: Sequence[float] | None = None,
         explicit_deadline: bool = True,
+        pinned_tau: float | None = None,
     ) -> None:
         """Admits a request; `deadline` is absolute, on the clock of `schedule(now)`.
+
+        `thresholds` restricts the candidates it may run at; `pinned_tau` instead runs every
+        step at exactly that value, a candidate or not (planned with the nearest
+        candidate's predictions).
 
         While the cluster is overloaded (`overloaded`) and `SchedulerConfig.max_queued`
         requests already wait for their first step, raises `AdmissionError`. Deadline
@@ -522,6 +529,7 @@ class Scheduler:
             block_length=block_length,
             thresholds=None if thresholds is None else list(thresholds),
             explicit_deadline=explicit_deadline,
+            pinned_tau=pinned_tau,
         )
 
     def step_done(
@@ -593,6 +601,10 @@ class Scheduler:
 
     def instance_ids(self) -> list[int]:
         return self._core.instance_ids()
+
+    def served_so_far(self, request_id: int) -> FinishedRequest:
+        """How a live request has been served so far, in `step_done`'s form."""
+        return FinishedRequest(*self._core.served_so_far(request_id))
 
     def request(self, request_id: int) -> RequestInfo:
         return RequestInfo(**self._core.request(request_id))

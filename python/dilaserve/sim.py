@@ -28,42 +28,24 @@ from dilaserve.planner import (
     mean_isolated_latency,
 )
 from dilaserve.predictor.progress import mean_rates
-from dilaserve.scheduler import LatencyProfile, Policy, Scheduler, SchedulerConfig
+from dilaserve.scheduler import (
+    PRESETS,
+    SCHEDULER_SETTINGS,
+    LatencyProfile,
+    Policy,
+    Scheduler,
+    SchedulerConfig,
+)
+from dilaserve.settings import settings_class
 
 SimInputError = _core.SimInputError
 
 
-def fixed(tau: float) -> Policy:
-    """A fixed threshold with DiLaServe's instance choice and migration: the policy the
-    SLO-aware one must never lose to at equal quality."""
-    return dataclasses.replace(Policy.dilaserve(), threshold="fixed", fixed_tau=tau)
-
-
-#: Policies by name: DESIGN §8's baselines and ablations (the names `dilaserve bench` uses),
-#: and `no-reconfig` (DiLaServe on the baselines' layout, never replanned).
-POLICIES: dict[str, Policy] = {
-    "dilaserve": Policy.dilaserve(),
-    "infaas": Policy.infaas_like(0.9),
-    "llumnix": Policy.llumnix_like(0.9),
-    "no-load-control": Policy.dilaserve().without_load_control(),
-    "no-migration": Policy.dilaserve().without_migration(),
-    "one-shot": Policy.dilaserve().one_shot(),
-    "no-reconfig": Policy.dilaserve(),
-    "no-admission": Policy.dilaserve().without_admission(),
-    "paper": Policy.dilaserve().window_load_control().without_admission(),
-}
-
-#: Policies that run on all-TP-1 instances and never replan (DESIGN §8).
-FIXED_LAYOUT = frozenset({"infaas", "llumnix", "no-reconfig", "paper"})
-
-
-def policy_named(name: str) -> Policy:
-    """A policy of `POLICIES`, or `fixed-T`: threshold T with DiLaServe's instance choice."""
-    if name in POLICIES:
-        return POLICIES[name]
-    if name.startswith("fixed-"):
-        return fixed(float(name.removeprefix("fixed-")))
-    raise ValueError(f"unknown policy {name!r}; known: {sorted(POLICIES)} and fixed-T")
+def fixed_layout(policy: str) -> bool:
+    """Whether the named policy runs on one TP-1 instance per GPU and never replans
+    (DESIGN §8's baselines; `fixed-T` policies adapt the layout like DiLaServe)."""
+    preset = PRESETS.get(policy)
+    return preset is not None and preset["fixed_layout"]
 
 
 @dataclass(frozen=True)
@@ -139,8 +121,8 @@ def day_times(rate: float, duration_s: float, rng: random.Random) -> list[float]
 
 
 @dataclass(frozen=True)
-class ClusterSetup:
-    """What is simulated besides the workload and the policy."""
+class _ClusterSettings:
+    """What is simulated besides the workload, the policy and the scheduler's settings."""
 
     profile: LatencyProfile
     #: A progress model (`dilaserve.predictor.progress`).
@@ -150,13 +132,8 @@ class ClusterSetup:
     #: baselines always run one TP-1 instance per GPU.
     layout: tuple[int, ...]
     slo_scale: float = 5.0
-    thresholds: tuple[float, ...] = (0.5, 0.6, 0.7, 0.8, 0.9)
     #: Threshold of the SLO unit: a request alone on TP-1 at this threshold.
     slo_tau: float = 0.9
-    block_length: int = 32
-    caching: bool = True
-    max_batch_tokens: int = 8192
-    max_queued: int | None = None
     #: Progress models of workload classes (`Workload.progress_class`); a request of
     #: another class, or of none, draws from `progress`.
     class_progress: Mapping[str, dict] = field(default_factory=dict)
@@ -204,14 +181,11 @@ class ClusterSetup:
         return self.slo_scale * alone[which]
 
     def scheduler(self, policy: Policy) -> Scheduler:
+        shared = {f["name"]: getattr(self, f["name"]) for f in CLUSTER_SCHEDULER_SETTINGS}
         return Scheduler(
             self.profile,
             SchedulerConfig(
-                thresholds=self.thresholds,
-                block_length=self.block_length,
-                caching=self.caching,
-                max_batch_tokens=self.max_batch_tokens,
-                max_queued=self.max_queued,
+                **shared,
                 policy=policy,
                 predictor_rates=None if self.predictor_model else tuple(self.rates()),
                 predictor_model=self.predictor_model,
@@ -236,6 +210,19 @@ class ClusterSetup:
             "bins": dataclasses.asdict(BinSpec()),
         }
         return json.dumps(options)
+
+
+#: Scheduler settings a simulated cluster takes (the policy is each run's).
+CLUSTER_SCHEDULER_SETTINGS = [f for f in SCHEDULER_SETTINGS if f["name"] != "policy"]
+
+ClusterSetup = settings_class(
+    "ClusterSetup",
+    CLUSTER_SCHEDULER_SETTINGS,
+    doc="What is simulated besides the workload and the policy: the cluster, its model and "
+    "the scheduler's settings (the core's `SchedulerConfig`, the policy aside).",
+    bases=(_ClusterSettings,),
+    module=__name__,
+)
 
 
 def place(degrees: Sequence[int], node_gpus: Sequence[int]) -> list[tuple[int, int, list, int]]:
@@ -292,18 +279,18 @@ def simulate(
     rate: float,
     slo_s: Sequence[float] | None = None,
 ) -> SimRun:
-    """Runs `workload` under the named policy (see `policy_named`); each request's SLO is
+    """Runs `workload` under the named policy (`Policy.named`); each request's SLO is
     `slo_s` when given (the deadlines of a live run being reproduced), else
     `setup.slo_seconds`."""
     if slo_s is not None and len(slo_s) != len(workload):
         raise ValueError(f"{len(slo_s)} SLOs for {len(workload)} requests")
     slo = setup.slo_seconds(workload) if slo_s is None else np.asarray(slo_s, dtype=np.float64)
-    adapts = policy not in FIXED_LAYOUT
+    adapts = not fixed_layout(policy)
     degrees = setup.layout if adapts else (1,) * sum(setup.node_gpus)
     replan = None
     if adapts and setup.replan_interval_s:
         replan = setup.replan_json(float(np.mean(slo)) if len(slo) else 1.0)
-    scheduler = setup.scheduler(policy_named(policy))
+    scheduler = setup.scheduler(Policy.named(policy))
     models, classes = progress_classes(setup, workload)
     columns, stats = _core.simulate(
         scheduler._core,

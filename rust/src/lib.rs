@@ -3,6 +3,7 @@
 //! bindings are compiled only with the `python` feature, which maturin turns on.
 
 mod id_map;
+pub mod settings;
 pub mod planner;
 pub mod predictor;
 pub mod profile;

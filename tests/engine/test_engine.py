@@ -73,7 +73,10 @@ async def start_and_wait_for_progress(engine, problems, instance: int) -> list[a
     tasks = [
         asyncio.ensure_future(engine.complete(p.prompt, params(p, **PINNED))) for p in problems
     ]
-    while not any(r.home == instance and r.state.steps_done for r in engine._requests.values()):
+    while not any(
+        engine.instance_of(r.id) == instance and r.state.steps_done
+        for r in engine._requests.values()
+    ):
         await asyncio.sleep(0.001)
     return tasks
 
@@ -269,3 +272,26 @@ def test_requests_submitted_together_are_admitted_all_or_none(shared_engine):
         return [[o async for o in h.engine.outputs(r)][-1].text for r in reqs]
 
     assert h.run(both()) == ["80235", "33333"]
+
+
+def test_a_pinned_threshold_is_what_the_worker_ran_and_the_statistics_report(shared_engine):
+    """τ 0.73 is no candidate: the scheduler plans it as 0.7 but every step command carries
+    0.73, and the statistics (the scheduler's record) say so."""
+    engine = shared_engine.engine
+    sent: list[float] = []
+    send = engine._channel.send
+
+    def spy(worker_id, message):
+        sent.extend(e.tau for e in getattr(message, "entries", ()))
+        return send(worker_id, message)
+
+    (problem,) = make_problems(1, SEED + 1, tasks=("add",))
+    shared_engine.call(setattr, engine._channel, "send", spy)
+    try:
+        out = shared_engine.run(engine.complete(problem.prompt, params(problem, threshold=0.73)))
+    finally:
+        shared_engine.call(setattr, engine._channel, "send", send)
+    assert out.stats.taus == (0.73,) * out.stats.steps and out.stats.steps > 0
+    assert sent == [0.73] * out.stats.steps
+    ref = decode_alone(problem.prompt, gen_length(problem, 32), out.stats.taus)
+    assert out.token_ids == ref.output_ids

@@ -74,7 +74,10 @@ def test_a_killed_rank_brings_its_instance_down_and_its_requests_resume(make_eng
         inst = engine.instances[0]
         while not (
             inst.inflight is not None
-            and any(r.home == 0 and r.state.steps_done for r in engine._requests.values())
+            and any(
+                engine.instance_of(r.id) == 0 and r.state.steps_done
+                for r in engine._requests.values()
+            )
         ):
             await asyncio.sleep(0.001)
         handle = inst.handle

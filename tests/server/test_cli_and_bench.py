@@ -17,11 +17,11 @@ from dilaserve.cli.serve import (
     accuracy_drop,
     engine_config,
     parse_instances,
-    parse_thresholds,
-    policy_from,
+    scheduler_settings,
     settings_from,
 )
-from dilaserve.scheduler import Policy
+from dilaserve.scheduler import PRESETS, SCHEDULER_SETTINGS, Policy, SchedulerConfigError
+from dilaserve.settings import flatten
 from dilaserve.traces import AZURE_CONV, read_trace
 
 
@@ -37,12 +37,15 @@ def test_thresholds_and_quality_floor_flags():
         build_parser().parse_args(["serve", "--thresholds", "0.9,0.7", "--max-accuracy-drop", "5"])
     )
     engine = engine_config(values)
-    assert engine.thresholds == (0.7, 0.9) and engine.max_accuracy_drop == pytest.approx(0.05)
+    assert engine.thresholds == (0.9, 0.7) and engine.max_accuracy_drop == pytest.approx(0.05)
     assert engine_config(dict(DEFAULTS)).max_accuracy_drop == pytest.approx(0.03)
-    assert accuracy_drop("none") is None and parse_thresholds([0.8, 0.6]) == (0.6, 0.8)
-    for bad in ("0,0.9", "1.5", "a,b", ""):
-        with pytest.raises(ValueError, match="--thresholds"):
-            parse_thresholds(bad)
+    assert accuracy_drop("none") is None
+    assert engine_config({**DEFAULTS, "thresholds": [0.8, 0.6]}).thresholds == (0.8, 0.6)
+    for bad in ("0,0.9", "1.5", ""):
+        with pytest.raises(SchedulerConfigError, match="threshold"):
+            engine_config({**DEFAULTS, "thresholds": bad})
+    with pytest.raises(ValueError, match="thresholds: 'a' is invalid"):
+        engine_config({**DEFAULTS, "thresholds": "a,b"})
     with pytest.raises(ValueError, match="negative"):
         accuracy_drop("-1")
 
@@ -92,9 +95,30 @@ def test_bench_client_against_a_live_server(start_server):
     assert summary.p50_latency_s <= summary.p99_latency_s
 
 
+def test_every_scheduler_setting_is_a_flag_and_a_toml_key(tmp_path, capsys):
+    """The core declares the settings once: each is a `serve` flag and a TOML key, with its
+    doc as help, and reaches the engine's scheduler config."""
+    leaves = [f for f in flatten(SCHEDULER_SETTINGS) if f["name"] != "caching"]
+    assert {f["name"] for f in leaves} <= set(DEFAULTS)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    flags = " ".join(capsys.readouterr().out.split())
+    for f in leaves:
+        assert "--" + f["name"].replace("_", "-") in flags, f["name"]
+        assert " ".join(f["doc"].split()[:4]) in flags, f["name"]
+    config = tmp_path / "serve.toml"
+    config.write_text("max_batch_tokens = 2048\ntarget_utilisation = 0.8\nmigration = false\n")
+    args = build_parser().parse_args(["serve", "--config", str(config), "--slo-window-s", "3"])
+    engine = engine_config(settings_from(args))
+    scheduler = engine.scheduler_config()
+    assert (scheduler.max_batch_tokens, scheduler.target_utilisation) == (2048, 0.8)
+    assert scheduler.slo_window_s == 3.0 and not scheduler.policy.migration
+    assert scheduler.caching, "caching follows --cache, not a flag of its own"
+
+
 def test_serve_policy_flags_compose() -> None:
     def policy(**flags):
-        return policy_from({**DEFAULTS, **flags})
+        return scheduler_settings({**DEFAULTS, **flags})["policy"]
 
     assert policy() == Policy.dilaserve()
     assert policy(admission="best-effort").admission == "best_effort"
@@ -102,3 +126,11 @@ def test_serve_policy_flags_compose() -> None:
         Policy.dilaserve().without_admission().window_load_control()
     )
     assert policy(policy="infaas").admission == "off"
+    assert policy(policy="infaas", fixed_tau="0.7") == Policy.infaas_like(0.7)
+    assert policy(policy="one-shot") == Policy.dilaserve().one_shot()
+    assert policy(policy="llumnix", migration=False) == Policy.infaas_like()
+    assert set(PRESETS) >= {"dilaserve", "infaas", "llumnix", "no-migration", "paper"}
+    with pytest.raises(SchedulerConfigError, match="unknown policy"):
+        policy(policy="fastest")
+    with pytest.raises(ValueError, match="admission"):
+        policy(admission="sometimes")

@@ -53,7 +53,10 @@ def test_killed_worker_and_reconfiguration_through_the_server(start_server):
 
     async def kill_and_reconfigure() -> None:
         await wait_for(
-            lambda: any(r.home == 0 and r.state.steps_done for r in engine._requests.values())
+            lambda: any(
+                engine.instance_of(r.id) == 0 and r.state.steps_done
+                for r in engine._requests.values()
+            )
         )
         engine.instances[0].handle.kill()
         await engine.scale_to({1: 3})

@@ -2,6 +2,6 @@
 reports SLO attainment, latency, throughput, accuracy and τ per policy and rate."""
 
 from .report import Summary, plot, summarize
-from .sweep import POLICY_FLAGS, SweepSpec, run_sweep
+from .sweep import SweepSpec, run_sweep
 
-__all__ = ["POLICY_FLAGS", "Summary", "SweepSpec", "plot", "run_sweep", "summarize"]
+__all__ = ["Summary", "SweepSpec", "plot", "run_sweep", "summarize"]

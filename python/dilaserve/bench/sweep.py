@@ -27,16 +27,6 @@ from .workload import (
     trace_arrivals,
 )
 
-#: `dilaserve serve` flags of each policy name (DESIGN §8 baselines and the ablations).
-POLICY_FLAGS = {
-    "dilaserve": ["--policy", "dilaserve"],
-    "infaas": ["--policy", "infaas"],
-    "llumnix": ["--policy", "llumnix"],
-    "no-load-control": ["--policy", "dilaserve", "--no-load-control"],
-    "no-migration": ["--policy", "dilaserve", "--no-migration"],
-    "one-shot": ["--policy", "dilaserve", "--one-shot"],
-}
-
 
 @dataclass(frozen=True)
 class SweepSpec:
@@ -88,7 +78,8 @@ def spawned_server(policy: str, serve_args: Sequence[str]) -> Iterator[str]:
         str(port),
         "--log-level",
         "warning",
-        *POLICY_FLAGS[policy],
+        "--policy",
+        policy,
         *serve_args,
     ]
     process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)

@@ -12,7 +12,8 @@ import sys
 
 from tqdm import tqdm
 
-from dilaserve.bench import POLICY_FLAGS, SweepSpec, plot, run_sweep
+from dilaserve.bench import SweepSpec, plot, run_sweep
+from dilaserve.scheduler import PRESETS, Policy
 from dilaserve.traces import TRACE_HELP
 
 
@@ -32,7 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--policies",
         default="dilaserve,infaas,llumnix",
-        help=f"comma-separated, of {', '.join(POLICY_FLAGS)}",
+        help=f"comma-separated, of {', '.join(PRESETS)} or fixed-T",
     )
     p.add_argument("--rates", type=_floats, default=[1.0, 2.0, 4.0], help="requests/s")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per rate")
@@ -52,9 +53,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
-    unknown = [x for x in policies if x not in POLICY_FLAGS]
-    if unknown:
-        raise ValueError(f"unknown policies {unknown}; known: {sorted(POLICY_FLAGS)}")
+    for name in policies:
+        Policy.named(name)  # unknown names fail before anything runs
     if args.url and len(policies) != 1:
         raise ValueError("--url measures the one policy that server runs: give one --policies")
     spec = SweepSpec(

@@ -1,5 +1,9 @@
 """`dilaserve serve`: the OpenAI-compatible server on one model (the embedded
-dilaserve-tiny by default), configured by flags or the same keys in a TOML file."""
+dilaserve-tiny by default), configured by flags or the same keys in a TOML file.
+
+The scheduler's settings (`--max-batch-tokens`, `--thresholds`, the policy's fields such as
+`--admission` or `--no-migration`) come from the core's one declaration of them
+(`dilaserve.settings`): a named `--policy` first, then any of its fields given."""
 
 from __future__ import annotations
 
@@ -15,14 +19,20 @@ import torch
 
 from dilaserve.cli.common import default_dtype
 from dilaserve.engine import Engine, EngineConfig, Launcher, LocalLauncher
-from dilaserve.engine.config import DEFAULT_THRESHOLDS
+from dilaserve.engine.config import ENGINE_SCHEDULER_SETTINGS
 from dilaserve.protocol import CacheMode
-from dilaserve.scheduler import Policy
+from dilaserve.scheduler import POLICY_SETTINGS, PRESETS, Policy
 from dilaserve.server import ServerSettings, bind, serve
+from dilaserve.settings import add_settings_flags, flatten, parse_setting
 from dilaserve.tiny import MODEL_NAME
 from dilaserve.worker.kv_cache import parse_kv_memory
 
-# Flag defaults; a TOML file (`--config`) overrides them, explicit flags override both.
+#: The scheduler's settings a flag or key may give (nested policy fields flattened).
+SCHEDULER_KEYS = {f["name"]: f for f in flatten(ENGINE_SCHEDULER_SETTINGS)}
+_POLICY_KEYS = {f["name"] for f in POLICY_SETTINGS}
+
+# Flag defaults; a TOML file (`--config`) overrides them, explicit flags override both. A
+# scheduler setting left at None keeps the named policy's or the core's default.
 DEFAULTS = {
     "model": None,
     "served_model_name": None,
@@ -31,18 +41,9 @@ DEFAULTS = {
     "cache": "dual",
     "slo_scale": 5.0,
     "policy": "dilaserve",
-    "fixed_threshold": 0.9,
-    "no_load_control": False,
-    "no_migration": False,
-    "one_shot": False,
-    "admission": None,
-    "load_model": None,
-    "thresholds": None,
     "max_accuracy_drop": 3.0,
-    "max_queued": None,
     "max_requests_per_instance": 64,
     "kv_cache_memory": None,
-    "max_batch_tokens": 8192,
     "profile": None,
     "replan_interval": None,
     "dtype": None,
@@ -58,7 +59,7 @@ DEFAULTS = {
     "launcher": "local",
     "ray_address": "auto",
     "ray_resource": None,
-}
+} | dict.fromkeys(SCHEDULER_KEYS)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -79,28 +80,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device-slots", type=int, help="GPUs (or CPU slots) instances may use")
     p.add_argument("--cache", choices=[m.value for m in CacheMode])
     p.add_argument("--slo-scale", type=float, help="default SLO = scale x isolated latency")
-    p.add_argument("--policy", choices=["dilaserve", "infaas", "llumnix"])
-    p.add_argument("--fixed-threshold", type=float, help="the baselines' fixed τ (0.9)")
-    p.add_argument("--no-load-control", action="store_true", help="ablation")
-    p.add_argument("--no-migration", action="store_true", help="ablation")
-    p.add_argument("--one-shot", action="store_true", help="ablation: one-shot prediction")
     p.add_argument(
-        "--admission",
-        choices=["reject", "best-effort", "off"],
-        help="a request that cannot meet its SLO even at the lowest threshold under the "
-        "current load: 429 (reject, DiLaServe's default), served behind the rest "
-        "(best-effort), or admitted like any other (off)",
-    )
-    p.add_argument(
-        "--load-model",
-        choices=["forecast", "window"],
-        help="load control counting expected arrivals, one level for all (forecast, the "
-        "default) or DESIGN §5 as written (window)",
-    )
-    p.add_argument(
-        "--thresholds",
-        help="candidate thresholds the scheduler chooses from, comma-separated "
-        "(default: 0.5,0.6,0.7,0.8,0.9)",
+        "--policy",
+        help="a named policy, then adjusted by the policy flags below: "
+        + "; ".join(f"{name} ({p['doc']})" for name, p in PRESETS.items())
+        + "; or fixed-T (τ fixed at T)",
     )
     p.add_argument(
         "--max-accuracy-drop",
@@ -108,7 +92,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "measured on the model (its progress.json), is more than this below the top "
         "threshold's (3; 'none' allows every threshold)",
     )
-    p.add_argument("--max-queued", type=int, help="admission: queue bound when overloaded")
     p.add_argument(
         "--max-requests-per-instance", type=int, help="resident requests per instance (64)"
     )
@@ -117,7 +100,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="KV pool per worker: bytes (8GiB) or a fraction of free device memory (0.5); "
         "default: 0.9 of a GPU's free memory, 0.25 of a host's",
     )
-    p.add_argument("--max-batch-tokens", type=int)
     p.add_argument("--profile", help="latency profile JSON (default: measured at start-up)")
     p.add_argument("--replan-interval", type=float, help="seconds between cluster re-plans")
     p.add_argument(
@@ -152,6 +134,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--ray-resource",
         help="the Ray resource one rank takes (default: GPU on cuda, else CPU; or a custom one)",
     )
+    settings = p.add_argument_group("scheduler settings (the core's SchedulerConfig and Policy)")
+    add_settings_flags(settings, ENGINE_SCHEDULER_SETTINGS)
     p.set_defaults(run=run)
 
 
@@ -184,20 +168,6 @@ def parse_instances(spec: str) -> tuple[int, ...]:
     return tuple(degrees)
 
 
-def parse_thresholds(value: str | list | None) -> tuple[float, ...]:
-    """`thresholds` from the command line ('0.7,0.8,0.9') or a config file (a list)."""
-    if value is None:
-        return DEFAULT_THRESHOLDS
-    parts = value.split(",") if isinstance(value, str) else value
-    try:
-        taus = tuple(sorted(float(t) for t in parts))
-    except ValueError:
-        raise ValueError(f"--thresholds: {value!r} is not a comma-separated list") from None
-    if not taus or any(not 0.0 < t <= 1.0 for t in taus):
-        raise ValueError(f"--thresholds must lie in (0, 1], got {value!r}")
-    return taus
-
-
 def accuracy_drop(value: str | float | None) -> float | None:
     """`max_accuracy_drop` in points ('3', 3.0 or 'none') as a fraction, or None."""
     if value is None or str(value).lower() == "none":
@@ -215,24 +185,17 @@ def kv_memory(value: str | int | float | None) -> int | float | None:
     return parse_kv_memory(str(value))
 
 
-def policy_from(values: dict) -> Policy:
-    tau = values["fixed_threshold"]
-    policy = {
-        "dilaserve": Policy.dilaserve(),
-        "infaas": Policy.infaas_like(tau),
-        "llumnix": Policy.llumnix_like(tau),
-    }[values["policy"]]
-    if values["no_load_control"]:
-        policy = policy.without_load_control()
-    if values["no_migration"]:
-        policy = policy.without_migration()
-    if values["one_shot"]:
-        policy = policy.one_shot()
-    if values["admission"]:
-        policy = dataclasses.replace(policy, admission=values["admission"].replace("-", "_"))
-    if values["load_model"]:
-        policy = dataclasses.replace(policy, load_model=values["load_model"])
-    return policy
+def scheduler_settings(values: dict) -> dict:
+    """The scheduler settings `values` give, parsed and checked: the named policy with its
+    given fields replaced, and every other setting given (None: not given)."""
+    given = {
+        name: parse_setting(SCHEDULER_KEYS[name], value)
+        for name, value in values.items()
+        if name in SCHEDULER_KEYS and value is not None
+    }
+    policy = Policy.named(values["policy"])
+    policy = dataclasses.replace(policy, **{k: v for k, v in given.items() if k in _POLICY_KEYS})
+    return {k: v for k, v in given.items() if k not in _POLICY_KEYS} | {"policy": policy}
 
 
 def engine_config(values: dict) -> EngineConfig:
@@ -253,15 +216,12 @@ def engine_config(values: dict) -> EngineConfig:
         dtype=values["dtype"] or default_dtype(device),
         device=device,
         slo_scale=values["slo_scale"],
-        policy=policy_from(values),
-        thresholds=parse_thresholds(values["thresholds"]),
         max_accuracy_drop=accuracy_drop(values["max_accuracy_drop"]),
-        max_queued=values["max_queued"],
         max_requests_per_instance=values["max_requests_per_instance"],
         kv_cache_memory=kv_memory(values["kv_cache_memory"]),
-        max_batch_tokens=values["max_batch_tokens"],
         profile=values["profile"],
         replan_interval_s=values["replan_interval"],
+        **scheduler_settings(values),
     )
 
 

@@ -18,8 +18,8 @@ from dilaserve.cli.serve import parse_instances
 from dilaserve.planner import FAST_DLLM_THRESHOLDS
 from dilaserve.predictor import progress as progress_model
 from dilaserve.profiles import SIMULATED_LLADA8B
-from dilaserve.scheduler import LatencyProfile
-from dilaserve.sim import POLICIES, ClusterSetup, Workload, policy_named, simulate
+from dilaserve.scheduler import PRESETS, LatencyProfile, Policy
+from dilaserve.sim import ClusterSetup, Workload, simulate
 from dilaserve.tiny import default_model_dir
 from dilaserve.traces import TRACE_HELP, read_trace
 
@@ -48,7 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--policies",
         default="dilaserve,infaas,llumnix",
-        help=f"comma-separated, of {', '.join(POLICIES)} or fixed-T (a fixed threshold T)",
+        help=f"comma-separated, of {', '.join(PRESETS)} or fixed-T (a fixed threshold T)",
     )
     p.add_argument("--rates", type=_floats, default=[16.0, 24.0, 32.0], help="requests/s")
     p.add_argument("--duration", type=float, default=300.0, help="simulated seconds per rate")
@@ -113,7 +113,7 @@ def workload_for(args: argparse.Namespace, rate: float) -> Workload:
 def run(args: argparse.Namespace) -> int:
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     for name in policies:
-        policy_named(name)  # unknown names fail before anything runs
+        Policy.named(name)  # unknown names fail before anything runs
     setup = setup_from(args)
     out = open(args.out, "w") if args.out else None  # noqa: SIM115 - closed below
     summaries = []

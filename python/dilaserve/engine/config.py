@@ -3,34 +3,29 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from dilaserve.decoding import ConfidenceRule, option_problem
 from dilaserve.protocol import CacheMode
-from dilaserve.scheduler import Policy
+from dilaserve.scheduler import SCHEDULER_SETTINGS, Policy, SchedulerConfig, check_settings
+from dilaserve.settings import settings_class
 
 from .errors import BadRequestError
 
-DEFAULT_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)
+#: Scheduler settings the engine takes as they are (`caching` follows its `cache` mode).
+ENGINE_SCHEDULER_SETTINGS = [f for f in SCHEDULER_SETTINGS if f["name"] != "caching"]
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """How the engine serves one model.
-
-    `instances` lists the TP degree of each instance started with the engine; instances
-    take device slots `0, 1, ...` of one node with `device_slots` slots (GPUs, or virtual
-    CPU slots), which is also what reconfiguration may use. A TP-d instance takes d
-    consecutive slots, one per rank.
-    """
+class _EngineSettings:
+    """The engine's own settings; `EngineConfig` adds the scheduler's."""
 
     #: Checkpoint directory; None serves the embedded dilaserve-tiny.
     model: str | Path | None = None
     instances: tuple[int, ...] = (1,)
     device_slots: int | None = None
     cache: CacheMode = CacheMode.DUAL
-    block_length: int = 32
     dtype: str = "float32"
     device: str = "cpu"
     #: Torch intra-op threads per worker; None gives each slot an equal share of the cores,
@@ -42,20 +37,14 @@ class EngineConfig:
     #: KV pool budget per worker rank: bytes (int), a fraction of free device memory
     #: (float), or None for the worker's default share.
     kv_cache_memory: int | float | None = None
-    #: Most tokens one step of an instance processes (the planner's batch size).
-    max_batch_tokens: int = 8192
-    thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS
     #: Quality floor: the scheduler never chooses a threshold whose accuracy, measured on
     #: the model (its `progress.json`), is more than this fraction below the top
     #: threshold's; None (or a model without measurements) allows every threshold.
     max_accuracy_drop: float | None = 0.03
-    policy: Policy = field(default_factory=Policy)
     #: `(threshold, mean tokens per step)` of the scheduler's default predictor.
     predictor_rates: tuple[tuple[float, float], ...] | None = None
     #: A request's default SLO is this many times its estimated latency alone on TP-1.
     slo_scale: float = 5.0
-    #: Queue bound for admission control when overloaded; None admits everything.
-    max_queued: int | None = None
     #: Latency profile JSON; None measures one with `dilaserve profile` (cached per model).
     profile: str | Path | None = None
     #: Output positions of a request that does not say.
@@ -86,6 +75,13 @@ class EngineConfig:
             raise ValueError("block_length and max_requests_per_instance must be positive")
         if self.slo_scale <= 0:
             raise ValueError(f"slo_scale must be positive, got {self.slo_scale}")
+        check_settings(self.scheduler_config())
+
+    def scheduler_config(self, **predictor: object) -> SchedulerConfig:
+        """The scheduler's settings of this engine; `predictor` names its step predictor
+        (`SchedulerConfig`'s predictor fields)."""
+        shared = {f["name"]: getattr(self, f["name"]) for f in ENGINE_SCHEDULER_SETTINGS}
+        return SchedulerConfig(**shared, caching=self.cache is not CacheMode.NONE, **predictor)
 
     @property
     def measured_degrees(self) -> tuple[int, ...]:
@@ -102,6 +98,22 @@ class EngineConfig:
         if self.threads_per_worker:
             return self.threads_per_worker
         return max(1, (os.cpu_count() or 1) // self.slots)
+
+
+EngineConfig = settings_class(
+    "EngineConfig",
+    ENGINE_SCHEDULER_SETTINGS,
+    doc="""How the engine serves one model: its own settings and the scheduler's (the core's
+    `SchedulerConfig`, `caching` aside: it follows `cache`).
+
+    `instances` lists the TP degree of each instance started with the engine; instances
+    take device slots `0, 1, ...` of one node with `device_slots` slots (GPUs, or virtual
+    CPU slots), which is also what reconfiguration may use. A TP-d instance takes d
+    consecutive slots, one per rank.""",
+    bases=(_EngineSettings,),
+    nested={"policy": Policy},
+    module=__name__,
+)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,8 @@
 """The serving engine: one asyncio loop that owns the Rust scheduler and drives workers.
 
-Every decision is made here and nowhere else (DESIGN §10). Arrivals, cancellations, step
+Every decision is the scheduler's (DESIGN §10): which requests step where, at which τ and
+of which kind, which requests an instance takes in (`new_here`) and drops (`release`), and
+each request's statistics. The engine executes them. Arrivals, cancellations, step
 reports, worker start-ups and exits are handled as they come, each leaving the scheduler
 consistent; then one scheduling round (under a millisecond, run inline) decides the next
 batch of every idle instance, and each batch goes out as one `StepCommand` that also
@@ -21,7 +23,6 @@ from collections.abc import AsyncIterator, Sequence
 from dilaserve.planner import Arrival
 from dilaserve.predictor.serving import predictor_for
 from dilaserve.protocol import (
-    CacheMode,
     RequestState,
     Shutdown,
     StepCommand,
@@ -34,8 +35,8 @@ from dilaserve.protocol import (
 )
 from dilaserve.scheduler import (
     AdmissionError,
+    Batch,
     Scheduler,
-    SchedulerConfig,
     SchedulerError,
     StepResult,
 )
@@ -133,15 +134,9 @@ class Engine:
         )
         self.scheduler = Scheduler(
             self.profile,
-            SchedulerConfig(
-                thresholds=c.thresholds,
-                block_length=c.block_length,
-                caching=c.cache is not CacheMode.NONE,
-                max_batch_tokens=c.max_batch_tokens,
-                policy=c.policy,
+            c.scheduler_config(
                 predictor_rates=None if served.model else c.predictor_rates,
                 predictor_model=None if served.model is None else str(served.model),
-                max_queued=c.max_queued,
             ),
         )
         self.reconfigurer = Reconfigurer(self)
@@ -207,11 +202,12 @@ class Engine:
         source = "learned" if self.rates.measured else "assumed"
         return {"source": source, "measured": self.rates.measured, "table": self.rates.table}
 
-    def _learn_rates(self, req: TrackedRequest, committed: int) -> None:
-        """Counts a step towards the served model's rates; adopts a revised table."""
+    def _learn_rates(self, req: TrackedRequest, tau: float, committed: int) -> None:
+        """Counts a step at `tau` towards the served model's rates; adopts a revised
+        table."""
         if self.rates is None or req.state.steps_per_block is not None:
             return
-        if not self.rates.record(req.taus[-1], committed):
+        if not self.rates.record(tau, committed):
             return
         table = self.rates.table
         log.info(
@@ -264,8 +260,8 @@ class Engine:
     ) -> TrackedRequest:
         now = self.now()
         pinned = params.threshold
-        thresholds = None if pinned is None else [self._nearest_candidate(pinned)]
-        if thresholds is None and params.slo_s is None:
+        thresholds = None
+        if pinned is None and params.slo_s is None:
             thresholds = self.default_slo_thresholds
         try:
             self.scheduler.arrive(
@@ -278,12 +274,13 @@ class Engine:
                 block_length=state.block_length,
                 thresholds=thresholds,
                 explicit_deadline=params.slo_s is not None,
+                pinned_tau=pinned,
             )
         except AdmissionError as exc:
             raise OverloadedError(str(exc)) from exc
         except SchedulerError as exc:
             raise BadRequestError(str(exc), index) from exc
-        req = TrackedRequest(state=state, arrival=now, slo_s=slo, pinned_tau=pinned)
+        req = TrackedRequest(state=state, arrival=now, slo_s=slo)
         self._requests[req.id] = req
         self._arrivals.append(Arrival(now, state.prompt_length, state.output_length))
         while self._arrivals and self._arrivals[0].time < now - ARRIVAL_HISTORY_S:
@@ -342,22 +339,23 @@ class Engine:
     def stats_of(self, request_id: int) -> RequestStats | None:
         """How a live request has been served so far; None once it has ended."""
         req = self._requests.get(request_id)
-        return None if req is None else req.stats(self.now())
+        if req is None:
+            return None
+        return req.stats(self.scheduler.served_so_far(request_id), self.now())
+
+    def instance_of(self, request_id: int) -> int | None:
+        """The instance holding a live request's state (None: none does)."""
+        return self.scheduler.request(request_id).instance
 
     @property
     def active_requests(self) -> int:
         return len(self._requests)
-
-    def _nearest_candidate(self, tau: float) -> float:
-        return min(self.scheduler.thresholds, key=lambda c: abs(c - tau))
 
     def _fail(self, req: TrackedRequest, error: BaseException) -> None:
         """Ends a live request with `error`, freeing its capacity everywhere."""
         self._requests.pop(req.id, None)
         with contextlib.suppress(SchedulerError):  # not known there: refused at arrival
             self.scheduler.cancel(req.id)
-        if req.home is not None and req.home in self.instances:
-            self.instances[req.home].release.append(req.id)
         req.outputs.put_nowait(error)
 
     def arrivals(self) -> list[Arrival]:
@@ -482,19 +480,11 @@ class Engine:
 
     def _forget(self, inst: InstanceRecord) -> None:
         """The instance's worker is gone: its requests resume elsewhere from the engine's
-        copy of their token state."""
+        copy of their token state (the scheduler places them again)."""
         if inst.registered:
             self.scheduler.remove_instance(inst.id)
             inst.registered = False
-        if inst.inflight is not None:
-            for rid in inst.inflight.requests:
-                if rid in self._requests:
-                    self._requests[rid].undo_dispatch()
-            inst.inflight = None
-        for req in self._requests.values():
-            if req.home == inst.id:
-                req.home = None
-        inst.release.clear()
+        inst.inflight = None
 
     def _retire(self, inst: InstanceRecord) -> None:
         self.instances.pop(inst.id, None)
@@ -581,29 +571,31 @@ class Engine:
                 self._fail(req, RequestFailedError(error.message))
         results = []
         stepped = []
+        taus = dict(zip(step.requests, step.taus, strict=True))
         for out in report.outputs:
             req = self._requests.get(out.request_id)
             if req is None:
                 continue  # cancelled while its step ran
             req.apply(out)
-            self._learn_rates(req, len(out.committed_tokens))
+            self._learn_rates(req, taus[req.id], len(out.committed_tokens))
             stepped.append(req)
             results.append(
                 StepResult(
                     out.request_id, len(out.committed_tokens), out.confidence_stats, out.done
                 )
             )
-        finished = {f.id for f in self.scheduler.step_done(inst.id, measured, results)}
+        finished = {f.id: f for f in self.scheduler.step_done(inst.id, measured, results)}
         times = self.step_times
         times.steps += 1
         times.worker_s += report.seconds
         times.round_trip_s += measured
         times.predicted_s += step.predicted_s
         for req in stepped:
-            if req.id in finished:
+            served = finished.get(req.id)
+            if served is not None:
                 self._requests.pop(req.id)
-                inst.release.append(req.id)
-                req.outputs.put_nowait(req.finish(self._decode(req.state.generated_ids()), now))
+                text = self._decode(req.state.generated_ids())
+                req.outputs.put_nowait(req.finish(text, served, now))
             elif req.new_blocks():
                 ids = req.complete_ids()
                 req.outputs.put_nowait(req.update(ids, self._decode(ids)))
@@ -616,9 +608,6 @@ class Engine:
             req = self._requests.get(rid)
             if req is None:
                 continue
-            req.undo_dispatch()
-            req.home = None
-            inst.release.append(rid)
             req.failed_steps += 1
             if req.failed_steps >= self.config.max_step_retries:
                 self._fail(req, RequestFailedError(f"request {rid}: its step failed repeatedly"))
@@ -641,17 +630,8 @@ class Engine:
         self._rounds += 1
         now = self.now()
         decisions = self.scheduler.schedule(now)
-        for m in decisions.migrations:
-            req = self._requests.get(m.request)
-            if req is None:
-                continue
-            req.migrations += 1
-            if req.home == m.from_instance:
-                self.instances[m.from_instance].release.append(m.request)
-                req.home = None
         for batch in decisions.batches:
-            inst = self.instances[batch.instance]
-            self._dispatch(inst, batch.entries, now, batch.predicted_finish - now)
+            self._dispatch(self.instances[batch.instance], batch, now)
         for instance_id in self.scheduler.drained_instances():
             inst = self.instances.get(instance_id)
             if inst is not None and inst.stopping and not inst.shutdown_sent:
@@ -659,24 +639,21 @@ class Engine:
                 inst.shutdown_sent = True
                 self._send(inst, Shutdown())
 
-    def _dispatch(
-        self, inst: InstanceRecord, entries: Sequence, now: float, predicted_s: float
-    ) -> None:
-        command = StepCommand(step=next(self._step_numbers), release=inst.release)
-        inst.release = []
-        for e in entries:
-            req = self._requests[e.request]
-            tau = req.pinned_tau if req.pinned_tau is not None else e.tau
-            if req.home != inst.id:
-                if req.home is not None and req.home in self.instances:
-                    self.instances[req.home].release.append(req.id)
-                command.admit.append(req.state.copy())
-                req.home = inst.id
-            req.dispatched(inst.id, tau, now)
-            command.entries.append(StepEntry(req.id, tau, StepKind(e.kind)))
+    def _dispatch(self, inst: InstanceRecord, batch: Batch, now: float) -> None:
+        """Sends the scheduler's batch as it decided it: its releases, the token state of
+        requests new there, and each entry's τ and step kind."""
+        command = StepCommand(step=next(self._step_numbers), release=batch.release)
+        for e in batch.entries:
+            if e.new_here:
+                command.admit.append(self._requests[e.request].state.copy())
+            command.entries.append(StepEntry(e.request, e.tau, StepKind(e.kind)))
         sent = self.now()
         inst.inflight = InflightStep(
-            command.step, sent, [e.request_id for e in command.entries], predicted_s
+            command.step,
+            sent,
+            [e.request for e in batch.entries],
+            [e.tau for e in batch.entries],
+            batch.predicted_finish - now,
         )
         if inst.reported_at is not None and inst.reported_at[1] == self._rounds:
             self.step_times.dispatch_gap_s += sent - inst.reported_at[0]

@@ -16,6 +16,8 @@ class InflightStep:
     number: int
     sent_at: float
     requests: list[int]
+    #: τ of each request's step, as sent.
+    taus: list[float]
     #: The scheduler's estimate of its duration (the latency profile's).
     predicted_s: float = 0.0
 
@@ -61,7 +63,5 @@ class InstanceRecord:
     #: When its last report came in and the round that handles it: a step sent in that
     #: round followed its predecessor without waiting for work.
     reported_at: tuple[float, int] | None = None
-    #: Requests that left this instance; released with its next command.
-    release: list[int] = field(default_factory=list)
     started: asyncio.Future[None] = field(default_factory=lambda: asyncio.Future())
     stopped: asyncio.Future[None] = field(default_factory=lambda: asyncio.Future())

@@ -1,9 +1,11 @@
-"""The engine's authoritative record of each request, and what callers receive.
+"""The engine's copy of each request's token state, and what callers receive.
 
 After every step the engine applies the worker's report to its own copy of the token
 state, so a worker can be lost without losing a request: the copy is what a migration or
-a restart sends to the next instance. Text is streamed a block at a time, once every
-position of the block is committed, so text already sent never changes.
+a restart sends to the next instance. Where a request lives and how it was served (its
+steps, τ, instances, migrations) is the scheduler's record (`FinishedRequest`), not kept
+here a second time. Text is streamed a block at a time, once every position of the block is
+committed, so text already sent never changes.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from dilaserve.protocol import RequestState, StepKind, StepOutput
+from dilaserve.protocol import RequestState, StepOutput
+from dilaserve.scheduler import FinishedRequest
 
 
 @dataclass(frozen=True)
@@ -22,7 +25,7 @@ class RequestStats:
     completion_tokens: int
     steps: int
     recompute_steps: int
-    #: τ of every step, in order (the values the workers used).
+    #: τ of every step, in order (the values the workers ran).
     taus: tuple[float, ...]
     #: Instances visited, in order.
     instances: tuple[int, ...]
@@ -64,15 +67,7 @@ class TrackedRequest:
     state: RequestState
     arrival: float
     slo_s: float
-    pinned_tau: float | None
     outputs: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
-    #: Instance that holds the token state (and K/V), as far as the engine has told it.
-    home: int | None = None
-    first_dispatch: float | None = None
-    taus: list[float] = field(default_factory=list)
-    recompute_steps: int = 0
-    instances: list[int] = field(default_factory=list)
-    migrations: int = 0
     failed_steps: int = 0
     sent_blocks: int = 0
     sent_text: str = ""
@@ -85,21 +80,8 @@ class TrackedRequest:
     def deadline(self) -> float:
         return self.arrival + self.slo_s
 
-    def dispatched(self, instance: int, tau: float, now: float) -> None:
-        if self.first_dispatch is None:
-            self.first_dispatch = now
-        if not self.instances or self.instances[-1] != instance:
-            self.instances.append(instance)
-        self.taus.append(tau)
-
-    def undo_dispatch(self) -> None:
-        """The step was aborted: it never ran, so it is not counted."""
-        self.taus.pop()
-
     def apply(self, output: StepOutput) -> None:
         self.state.apply(output)
-        if output.kind is StepKind.RECOMPUTE:
-            self.recompute_steps += 1
 
     def new_blocks(self) -> bool:
         return self.state.complete_blocks > self.sent_blocks
@@ -118,29 +100,31 @@ class TrackedRequest:
         stop = state.stop_position
         return ids[:stop] if stop is not None and stop < len(ids) else ids
 
-    def stats(self, now: float) -> RequestStats:
-        """How the request has been served so far (final once it finished)."""
+    def stats(self, served: FinishedRequest, now: float) -> RequestStats:
+        """How the request has been served so far (final once it finished), from the
+        scheduler's record of it."""
         latency = now - self.arrival
         mask = self.state.mask_token_id
+        first = served.first_dispatch
         return RequestStats(
             prompt_tokens=self.state.prompt_length,
             completion_tokens=sum(t != mask for t in self.state.generated_ids()),
-            steps=len(self.taus),
-            recompute_steps=self.recompute_steps,
-            taus=tuple(self.taus),
-            instances=tuple(self.instances),
-            migrations=self.migrations,
-            queue_s=(self.first_dispatch if self.first_dispatch is not None else now)
-            - self.arrival,
+            steps=served.steps,
+            recompute_steps=served.recompute_steps,
+            taus=tuple(served.taus),
+            instances=tuple(served.instances),
+            migrations=served.migrations,
+            queue_s=(first if first is not None else now) - self.arrival,
             latency_s=latency,
             slo_s=self.slo_s,
             slo_met=latency <= self.slo_s,
         )
 
-    def finish(self, text: str, now: float) -> RequestOutput:
+    def finish(self, text: str, served: FinishedRequest, now: float) -> RequestOutput:
         """The last update; `text` decodes `state.generated_ids()`."""
         update = self.update(self.state.generated_ids(), text)
         reason = "stop" if self.state.stop_position is not None else "length"
+        stats = self.stats(served, now)
         return RequestOutput(
-            self.id, update.text, update.delta, update.token_ids, True, reason, self.stats(now)
+            self.id, update.text, update.delta, update.token_ids, True, reason, stats
         )

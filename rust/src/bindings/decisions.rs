@@ -47,7 +47,7 @@ fn records<'py, T>(
 }
 
 /// Batch record: instance u64, start u64, len u64, tokens u64, predicted_finish f64.
-const BATCH_WIDTH: usize = 40;
+const BATCH_WIDTH: usize = 56;
 /// Entry record: request u64, tau f64, kind u8, new_here u8, tokens u64, block u32,
 /// unmasked_in_block u32, then why: reason u8, estimate_s f64, slo_left_s f64, cap_tau f64.
 const ENTRY_WIDTH: usize = 59;
@@ -70,6 +70,8 @@ pub struct PyDecisions {
     #[pyo3(get)]
     entries: Py<PyBytes>,
     #[pyo3(get)]
+    releases: Py<PyBytes>,
+    #[pyo3(get)]
     waiting: Py<PyBytes>,
     migrations: Vec<(u64, u64, u64, &'static str)>,
 }
@@ -86,6 +88,11 @@ impl PyDecisions {
                 out[16..24].copy_from_slice(&(b.len as u64).to_le_bytes());
                 out[24..32].copy_from_slice(&b.tokens.to_le_bytes());
                 out[32..40].copy_from_slice(&b.predicted_finish.to_le_bytes());
+                out[40..48].copy_from_slice(&(b.release_start as u64).to_le_bytes());
+                out[48..56].copy_from_slice(&(b.release_len as u64).to_le_bytes());
+            })?,
+            releases: records(py, &d.releases, 8, |r, out| {
+                out.copy_from_slice(&r.to_le_bytes());
             })?,
             entries: records(py, &d.entries, ENTRY_WIDTH, |e, out| {
                 out[0..8].copy_from_slice(&e.request.to_le_bytes());

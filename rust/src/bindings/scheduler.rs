@@ -14,10 +14,10 @@ use super::predictor::predictor_from_object;
 use super::profile::PyLatencyProfile;
 use crate::predictor::GbmPredictor;
 use crate::scheduler::{
-    Admission, FinishedRequest, InstanceChoice, InstanceSpec, LoadModel, LoadOrder,
-    MeanRatePredictor, Policy, Prediction, RequestSpec, SchedError, Scheduler, SchedulerConfig,
-    StepPredictor, StepResult, ThresholdPolicy,
+    FinishedRequest, InstanceSpec, MeanRatePredictor, Policy, RequestSpec, SchedError,
+    Scheduler, SchedulerConfig, StepPredictor, StepResult, PRESETS,
 };
+use crate::settings::Described;
 
 create_exception!(
     dilaserve._core,
@@ -138,63 +138,46 @@ fn count(field: &str, value: i64, error: impl Fn(String) -> SchedError) -> Resul
     })
 }
 
-fn unknown(what: &str, got: &str, allowed: &str) -> SchedError {
-    SchedError::Config(format!("unknown {what} {got:?} (expected {allowed})"))
+/// The scheduler's settings from their JSON form (a missing key takes its default).
+fn parse_config(config_json: &str) -> Result<SchedulerConfig, SchedError> {
+    let mut json = serde_json::Deserializer::from_str(config_json);
+    serde_path_to_error::deserialize(&mut json).map_err(|e| {
+        let inner = e.inner().to_string();
+        let message = inner.split(" at line ").next().unwrap_or(&inner);
+        SchedError::Config(format!("{}: {message}", e.path()))
+    })
 }
 
-fn parse_threshold(name: &str, fixed_tau: f64) -> Result<ThresholdPolicy, SchedError> {
-    match name {
-        "slo_aware" => Ok(ThresholdPolicy::SloAware),
-        "fixed" => Ok(ThresholdPolicy::Fixed(fixed_tau)),
-        other => Err(unknown("threshold policy", other, "slo_aware or fixed")),
-    }
+/// The schema of the scheduler's settings and the named policies, as JSON: what the Python
+/// config classes, CLI flags and TOML keys are built from.
+#[pyfunction]
+fn scheduler_settings_json() -> String {
+    let presets: Vec<serde_json::Value> = PRESETS
+        .iter()
+        .map(|p| {
+            serde_json::json!({
+                "name": p.name,
+                "doc": p.doc,
+                "fixed_layout": p.fixed_layout,
+                "policy": (p.policy)(),
+            })
+        })
+        .collect();
+    serde_json::json!({ "scheduler": SchedulerConfig::schema(), "presets": presets }).to_string()
 }
 
-fn parse_load_order(name: &str) -> Result<LoadOrder, SchedError> {
-    match name {
-        "arrival" => Ok(LoadOrder::Arrival),
-        "priority" => Ok(LoadOrder::Priority),
-        other => Err(unknown("load order", other, "arrival or priority")),
-    }
+/// Checks the scheduler's settings (JSON) as a scheduler would, without making one.
+#[pyfunction]
+fn check_scheduler_settings_json(config_json: &str) -> PyResult<()> {
+    parse_config(config_json)?.validated()?;
+    Ok(())
 }
 
-fn parse_instance_choice(name: &str) -> Result<InstanceChoice, SchedError> {
-    match name {
-        "earliest_completion" => Ok(InstanceChoice::EarliestCompletion),
-        "least_loaded" => Ok(InstanceChoice::LeastLoaded),
-        other => Err(unknown(
-            "instance choice",
-            other,
-            "earliest_completion or least_loaded",
-        )),
-    }
-}
-
-fn parse_load_model(name: &str) -> Result<LoadModel, SchedError> {
-    match name {
-        "window" => Ok(LoadModel::Window),
-        "forecast" => Ok(LoadModel::Forecast),
-        other => Err(unknown("load model", other, "window or forecast")),
-    }
-}
-
-fn parse_admission(name: &str) -> Result<Admission, SchedError> {
-    match name {
-        "off" => Ok(Admission::Off),
-        "reject" => Ok(Admission::Reject),
-        "best_effort" => Ok(Admission::BestEffort),
-        other => Err(unknown("admission", other, "off, reject or best_effort")),
-    }
-}
-
-fn parse_prediction(name: &str, every: i64) -> Result<Prediction, SchedError> {
-    match name {
-        "online" => Ok(Prediction::Online {
-            every: count("predict_every", every, SchedError::Config)?,
-        }),
-        "one_shot" => Ok(Prediction::OneShot),
-        other => Err(unknown("prediction mode", other, "online or one_shot")),
-    }
+/// A policy by name (a preset or `fixed-T`), as JSON.
+#[pyfunction]
+fn policy_named_json(name: &str) -> PyResult<String> {
+    let policy = Policy::named(name)?;
+    Ok(serde_json::to_string(&policy).expect("a policy serialises"))
 }
 
 /// Step-level scheduler of DiLaServe (see `dilaserve.scheduler.Scheduler`).
@@ -205,64 +188,17 @@ pub struct PyScheduler {
 
 #[pymethods]
 impl PyScheduler {
+    /// `config_json`: the scheduler's settings (`SchedulerConfig`'s serde form).
     #[new]
-    #[pyo3(signature = (
-        profile, *, thresholds, block_length, caching, max_batch_tokens, slo_window_s,
-        threshold_policy, fixed_tau, load_control, load_order, instance_choice, migration,
-        prediction, predict_every, predictor_rates, max_queued=None, predictor=None,
-        predictor_model=None, load_model="forecast", admission="reject",
-        target_utilisation=0.9,
-    ))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (profile, config_json, *, predictor_rates=None, predictor=None, predictor_model=None))]
     fn new(
         profile: &PyLatencyProfile,
-        thresholds: Vec<f64>,
-        block_length: i64,
-        caching: bool,
-        max_batch_tokens: i64,
-        slo_window_s: Option<f64>,
-        threshold_policy: &str,
-        fixed_tau: f64,
-        load_control: bool,
-        load_order: &str,
-        instance_choice: &str,
-        migration: bool,
-        prediction: &str,
-        predict_every: i64,
+        config_json: &str,
         predictor_rates: Option<Vec<(f64, f64)>>,
-        max_queued: Option<i64>,
         predictor: Option<&Bound<'_, PyAny>>,
         predictor_model: Option<PathBuf>,
-        load_model: &str,
-        admission: &str,
-        target_utilisation: f64,
     ) -> PyResult<Self> {
-        let policy = Policy {
-            threshold: parse_threshold(threshold_policy, fixed_tau)?,
-            load_control,
-            load_model: parse_load_model(load_model)?,
-            admission: parse_admission(admission)?,
-            load_order: parse_load_order(load_order)?,
-            instance_choice: parse_instance_choice(instance_choice)?,
-            migration,
-            prediction: parse_prediction(prediction, predict_every)?,
-        };
-        let config = SchedulerConfig {
-            thresholds,
-            block_length: count("block_length", block_length, SchedError::Config)?,
-            caching,
-            max_batch_tokens: u64::try_from(max_batch_tokens).map_err(|_| {
-                SchedError::Config(format!(
-                    "max_batch_tokens must be non-negative, got {max_batch_tokens}"
-                ))
-            })?,
-            slo_window_s,
-            max_queued: max_queued
-                .map(|m| count("max_queued", m, SchedError::Config))
-                .transpose()?,
-            target_utilisation,
-            policy,
-        };
+        let config = parse_config(config_json)?;
         let predictor: Box<dyn StepPredictor> = match (predictor, predictor_model, predictor_rates)
         {
             (None, None, None) => Box::new(MeanRatePredictor::default()),
@@ -314,7 +250,7 @@ impl PyScheduler {
 
     #[pyo3(signature = (
         id, *, arrival, deadline, prompt_len, output_len, priority=0, block_length=None,
-        thresholds=None, explicit_deadline=true,
+        thresholds=None, explicit_deadline=true, pinned_tau=None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn arrive(
@@ -328,6 +264,7 @@ impl PyScheduler {
         block_length: Option<i64>,
         thresholds: Option<Vec<f64>>,
         explicit_deadline: bool,
+        pinned_tau: Option<f64>,
     ) -> PyResult<()> {
         let id = id.0;
         let invalid = |reason| SchedError::InvalidRequest { id, reason };
@@ -342,6 +279,7 @@ impl PyScheduler {
                 .map(|b| count("block_length", b, invalid))
                 .transpose()?,
             thresholds,
+            pinned_tau,
             explicit_deadline,
         };
         Ok(self.inner.arrive(spec)?)
@@ -442,6 +380,11 @@ impl PyScheduler {
         self.inner.instance_ids()
     }
 
+    /// How a live request has been served so far, as a finished-request tuple.
+    fn served_so_far(&self, id: Id) -> PyResult<FinishedTuple> {
+        Ok(finished_tuple(&self.inner.served_so_far(id.0)?))
+    }
+
     /// State of one request as a dict (see `dilaserve.scheduler.RequestInfo`).
     fn request<'py>(&self, py: Python<'py>, id: Id) -> PyResult<Bound<'py, PyDict>> {
         let r = self.inner.request(id.0)?;
@@ -503,6 +446,9 @@ impl PyScheduler {
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<PyScheduler>()?;
+    m.add_function(wrap_pyfunction!(scheduler_settings_json, m)?)?;
+    m.add_function(wrap_pyfunction!(policy_named_json, m)?)?;
+    m.add_function(wrap_pyfunction!(check_scheduler_settings_json, m)?)?;
     m.add("SchedulerError", py.get_type::<SchedulerError>())?;
     m.add(
         "SchedulerConfigError",

@@ -238,7 +238,8 @@ fn scheduler_with(value: f64) -> (Scheduler, Arc<Mutex<Vec<RequestView>>>) {
     };
     let config = SchedulerConfig {
         policy: Policy {
-            prediction: Prediction::Online { every: 1 },
+            prediction: Prediction::Online,
+            predict_every: 1,
             ..Policy::dilaserve()
         },
         ..Default::default()

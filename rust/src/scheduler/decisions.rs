@@ -46,14 +46,17 @@ pub enum ThresholdReason {
     Capped,
     /// No allowed threshold meets the deadline: the lowest.
     Late,
+    /// The request pinned its threshold ([`super::RequestSpec::pinned_tau`]).
+    Pinned,
 }
 
 impl ThresholdReason {
-    pub const ALL: [ThresholdReason; 4] = [
+    pub const ALL: [ThresholdReason; 5] = [
         ThresholdReason::Fixed,
         ThresholdReason::Fits,
         ThresholdReason::Capped,
         ThresholdReason::Late,
+        ThresholdReason::Pinned,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -62,6 +65,7 @@ impl ThresholdReason {
             ThresholdReason::Fits => "fits",
             ThresholdReason::Capped => "capped",
             ThresholdReason::Late => "late",
+            ThresholdReason::Pinned => "pinned",
         }
     }
 }
@@ -75,6 +79,10 @@ pub struct Batch {
     pub tokens: u64,
     /// Predicted end of the step (profile × the instance's measured correction).
     pub predicted_finish: f64,
+    /// `releases[release_start..release_start + release_len]` of [`Decisions`]: requests
+    /// the instance drops before this step (they left it since its last batch).
+    pub release_start: usize,
+    pub release_len: usize,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -183,6 +191,8 @@ pub struct Decisions {
     /// Entries of every batch, grouped by batch.
     pub entries: Vec<BatchEntry>,
     pub migrations: Vec<Migration>,
+    /// Released request ids of every batch, grouped by batch.
+    pub releases: Vec<u64>,
     pub waiting: Vec<Waiting>,
     /// Load control found that even every request at its lowest allowed threshold exceeds
     /// the cluster's capacity (always false when load control is off).
@@ -196,11 +206,16 @@ impl Decisions {
         &self.entries[batch.start..batch.start + batch.len]
     }
 
+    pub fn releases_of(&self, batch: &Batch) -> &[u64] {
+        &self.releases[batch.release_start..batch.release_start + batch.release_len]
+    }
+
     pub(crate) fn clear(&mut self, now: f64) {
         self.now = now;
         self.batches.clear();
         self.entries.clear();
         self.migrations.clear();
+        self.releases.clear();
         self.waiting.clear();
         self.overloaded = false;
         self.elapsed_s = 0.0;

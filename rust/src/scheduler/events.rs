@@ -1,7 +1,7 @@
 //! Request events: arrivals, step reports and cancellations. Each checks its whole input
 //! before changing anything, so a rejected event leaves no trace.
 
-use super::config::{Admission, Prediction, ThresholdPolicy};
+use super::config::{Admission, ThresholdPolicy};
 use super::error::SchedError;
 use super::history::FinishedRequest;
 use super::load_control::request_load;
@@ -170,7 +170,7 @@ impl Scheduler {
         if let Some(home) = r.home {
             let estimate = r.next_step_estimate(self.config.caching);
             let inst = &mut self.instances.slots[home as usize];
-            inst.drop_resident(r.seq_tokens());
+            inst.drop_resident(r.id, r.seq_tokens());
             if !self.requests.ready(pos) {
                 inst.inflight.retain(|&h| h != r.handle);
                 inst.cancelled.push(id);
@@ -227,7 +227,7 @@ impl Scheduler {
                         self.reservation = None;
                     }
                     if let Some(home) = r.home {
-                        self.instances.slots[home as usize].drop_resident(r.seq_tokens());
+                        self.instances.slots[home as usize].drop_resident(r.id, r.seq_tokens());
                     }
                     let history = &mut self.requests.history[r.handle as usize];
                     self.scratch.finished.push(FinishedRequest {
@@ -354,7 +354,7 @@ impl Scheduler {
 
     /// After a step: queue a fresh prediction, or count the step off the last one.
     fn update_prediction(&mut self, pos: u32, was_full: bool) {
-        if let Prediction::Online { every } = self.config.policy.prediction {
+        if let Some(every) = self.config.policy.refresh_every() {
             if self.requests.req(pos).steps_done % every == 0 {
                 self.scratch.pending.push(pos);
                 return;

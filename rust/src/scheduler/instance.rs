@@ -78,6 +78,9 @@ pub(crate) struct Instance {
     pub factor: f64,
     pub steps_run: u64,
     pub last_step_s: f64,
+    /// Requests that left since this instance's last batch (finished, cancelled, moved
+    /// away, their step aborted): its next step command releases them.
+    pub released: Vec<u64>,
 }
 
 impl Instance {
@@ -129,7 +132,9 @@ impl Instance {
         self.resident_tokens += seq_tokens;
     }
 
-    pub fn drop_resident(&mut self, seq_tokens: u64) {
+    /// Request `id` no longer lives here; the worker is told with the next batch.
+    pub fn drop_resident(&mut self, id: u64, seq_tokens: u64) {
+        self.released.push(id);
         self.residents -= 1;
         self.resident_tokens -= seq_tokens;
     }
@@ -226,6 +231,7 @@ impl InstanceTable {
             factor: 1.0,
             steps_run: 0,
             last_step_s: 0.0,
+            released: Vec::new(),
         });
         slot
     }
@@ -341,7 +347,8 @@ mod tests {
         a.add_resident(600);
         a.add_resident(100);
         assert!(!a.has_resident_room(1, 1), "two requests already resident");
-        a.drop_resident(100);
+        a.drop_resident(7, 100);
+        assert_eq!(a.released, [7]);
         assert!(a.has_resident_room(1, 400) && !a.has_resident_room(1, 401));
     }
 }

@@ -103,7 +103,7 @@ impl Scheduler {
         for &handle in &handles {
             let pos = self.requests.pos_of_handle(handle);
             let r = *self.requests.req(pos);
-            self.instances.slots[inst_slot as usize].drop_resident(r.seq_tokens());
+            self.instances.slots[inst_slot as usize].drop_resident(r.id, r.seq_tokens());
             self.displace(pos, instance, MigrationReason::StepAborted);
             self.scratch.aborted.push(r.id);
         }
@@ -120,7 +120,7 @@ impl Scheduler {
     /// prediction in `scratch.pending` when the lost cache changes its next step.
     fn displace(&mut self, pos: u32, from: u64, reason: MigrationReason) {
         let caching = self.config.caching;
-        let online = matches!(self.config.policy.prediction, Prediction::Online { .. });
+        let online = self.config.policy.prediction == Prediction::Online;
         self.requests.set_ready(pos, true);
         let r = self.requests.req_mut(pos);
         r.home = None;

@@ -50,8 +50,8 @@ mod tests_events;
 mod tests_lifecycle;
 
 pub use config::{
-    Admission, InstanceChoice, LoadModel, LoadOrder, Policy, Prediction, SchedulerConfig,
-    ThresholdPolicy, MAX_THRESHOLDS,
+    Admission, InstanceChoice, LoadModel, LoadOrder, Policy, Prediction, Preset,
+    SchedulerConfig, ThresholdPolicy, MAX_THRESHOLDS, PRESETS,
 };
 pub use cost::{DegreeCosts, Limits};
 pub use decisions::{
@@ -232,6 +232,25 @@ impl Scheduler {
     /// Decisions of the last round.
     pub fn last_decisions(&self) -> &Decisions {
         &self.decisions
+    }
+
+    /// How a live request has been served so far, in the form [`Scheduler::step_done`]
+    /// reports a finished one (the one record of its statistics).
+    pub fn served_so_far(&self, id: u64) -> Result<FinishedRequest, SchedError> {
+        let pos = self.requests.pos_of(id)?;
+        let r = self.requests.req(pos);
+        let history = &self.requests.history[r.handle as usize];
+        Ok(FinishedRequest {
+            id,
+            steps: r.steps_done,
+            recompute_steps: history.recompute_steps,
+            taus: history.taus.clone(),
+            instances: history.instances.clone(),
+            migrations: history.migrations,
+            first_dispatch: history.first_dispatch,
+            deadline: r.deadline,
+            arrival: r.arrival,
+        })
     }
 
     pub fn request(&self, id: u64) -> Result<RequestInfo, SchedError> {

@@ -79,7 +79,8 @@ fn policy() -> impl Strategy<Value = Policy> {
         Policy::dilaserve().one_shot(),
         Policy {
             load_order: LoadOrder::Priority,
-            prediction: Prediction::Online { every: 3 },
+            prediction: Prediction::Online,
+            predict_every: 3,
             ..Policy::dilaserve()
         },
         Policy::infaas_like(0.9),
@@ -348,9 +349,9 @@ impl Harness {
                         e.request
                     );
                 }
-                match self.policy.threshold {
-                    ThresholdPolicy::Fixed(tau) => prop_assert_eq!(e.tau, tau),
-                    ThresholdPolicy::SloAware => {
+                match self.policy.fixed() {
+                    Some(tau) => prop_assert_eq!(e.tau, tau),
+                    None => {
                         prop_assert!(b.info.allowed.contains(&e.tau));
                         let cap = self.s.request(e.request).unwrap().max_tau;
                         prop_assert!(e.tau <= cap);

@@ -25,6 +25,9 @@ pub struct RequestSpec {
     pub block_length: Option<u32>,
     /// Thresholds this request accepts (a subset of the candidates); `None` allows all.
     pub thresholds: Option<Vec<f64>>,
+    /// Every step runs at exactly this threshold, a candidate or not (excludes
+    /// `thresholds`). The scheduler plans it with the nearest candidate's predictions.
+    pub pinned_tau: Option<f64>,
     /// The caller asked for this deadline. A request whose deadline is only the server's
     /// default is never refused for a predicted miss: admission serves it best-effort.
     pub explicit_deadline: bool,
@@ -42,6 +45,7 @@ impl RequestSpec {
             output_len,
             block_length: None,
             thresholds: None,
+            pinned_tau: None,
             explicit_deadline: true,
         }
     }
@@ -78,6 +82,8 @@ pub(crate) struct Request {
     /// Instance id of the last dispatch (`None` before the first), kept here so that a
     /// dispatch to the same instance does not touch the request's history.
     pub last_instance: Option<u64>,
+    /// Threshold every step of this request runs at ([`RequestSpec::pinned_tau`]).
+    pub pinned: Option<f64>,
     pub alive: bool,
 }
 
@@ -162,9 +168,20 @@ impl Request {
         let output_len = blocks
             .checked_mul(block_length)
             .ok_or_else(|| invalid(format!("output length {} overflows", spec.output_len)))?;
-        let allowed = match &spec.thresholds {
-            None => u32::MAX >> (32 - config.thresholds.len()),
-            Some(taus) => allowed_mask(id, taus, &config.thresholds)?,
+        let allowed = match (&spec.thresholds, spec.pinned_tau) {
+            (None, None) => u32::MAX >> (32 - config.thresholds.len()),
+            (Some(taus), None) => allowed_mask(id, taus, &config.thresholds)?,
+            (None, Some(tau)) if tau > 0.0 && tau <= 1.0 => 1 << nearest(tau, &config.thresholds),
+            (None, Some(tau)) => {
+                return Err(invalid(format!(
+                    "a pinned threshold must be in (0, 1], got {tau}"
+                )))
+            }
+            (Some(_), Some(_)) => {
+                return Err(invalid(
+                    "a pinned threshold excludes a set of allowed thresholds".into(),
+                ))
+            }
         };
         let next_kind = if config.caching {
             StepKind::Recompute
@@ -190,6 +207,7 @@ impl Request {
             home: None,
             displaced_from: None,
             last_instance: None,
+            pinned: spec.pinned_tau,
             alive: true,
         };
         let tokens = request.seq_tokens();
@@ -212,6 +230,17 @@ impl Request {
             .then(self.arrival.total_cmp(&other.arrival))
             .then(self.seq.cmp(&other.seq))
     }
+}
+
+/// Index of the candidate nearest `tau` (the lower of two equally near).
+fn nearest(tau: f64, candidates: &[f64]) -> usize {
+    (0..candidates.len())
+        .min_by(|&a, &b| {
+            (candidates[a] - tau)
+                .abs()
+                .total_cmp(&(candidates[b] - tau).abs())
+        })
+        .unwrap_or(0)
 }
 
 /// Bitmask of `taus` over `candidates`; every tau must be a candidate.
@@ -250,6 +279,10 @@ mod tests {
         assert_eq!(allowed, 0b10010);
         assert_eq!(r.next_kind, StepKind::Recompute);
         assert_eq!(r.step_tokens(), 71);
+        spec.thresholds = None;
+        spec.pinned_tau = Some(0.73);
+        let (r, allowed) = Request::from_spec(&spec, &config(), 0).unwrap();
+        assert_eq!((r.pinned, allowed), (Some(0.73), 0b00100), "planned as 0.7");
     }
 
     #[test]
@@ -289,6 +322,19 @@ mod tests {
             Request::from_spec(&empty, &cfg, 0),
             Err(SchedError::EmptyThresholdSet { id: 1 })
         ));
+        for bad in [0.0, 1.5, f64::NAN] {
+            let pinned = RequestSpec {
+                pinned_tau: Some(bad),
+                ..base.clone()
+            };
+            assert!(Request::from_spec(&pinned, &cfg, 0).is_err(), "{bad}");
+        }
+        let both = RequestSpec {
+            pinned_tau: Some(0.9),
+            thresholds: Some(vec![0.9]),
+            ..base.clone()
+        };
+        assert!(Request::from_spec(&both, &cfg, 0).is_err());
         let odd = RequestSpec {
             thresholds: Some(vec![0.55]),
             ..base

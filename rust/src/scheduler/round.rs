@@ -347,7 +347,7 @@ impl Scheduler {
             }
             if new_resident {
                 if let Some(h) = r.home {
-                    instances.slots[h as usize].drop_resident(seq);
+                    instances.slots[h as usize].drop_resident(r.id, seq);
                     placement.left(h, &instances.slots[h as usize]);
                 }
                 instances.slots[target as usize].add_resident(seq);
@@ -410,12 +410,16 @@ impl Scheduler {
             inst.started_at = now;
             inst.predicted_s = costs.batch(full, tokens - full, mean_context(inst));
             scratch.prices[slot] = step_prices(costs, inst, config.caching, config.block_length);
+            let release_start = decisions.releases.len();
+            decisions.releases.append(&mut inst.released);
             decisions.batches.push(Batch {
                 instance: inst.id,
                 start,
                 len,
                 tokens,
                 predicted_finish: inst.predicted_finish(),
+                release_start,
+                release_len: decisions.releases.len() - release_start,
             });
             scratch.batch_slots.push(slot as u32);
             start += len;
@@ -444,8 +448,8 @@ impl Scheduler {
         scratch.entry_handles.resize(scratch.assigned.len(), 0);
         for a in &scratch.assigned {
             let p = a.pos as usize;
-            let (tau, why) = match config.policy.threshold {
-                ThresholdPolicy::Fixed(tau) => (
+            let (mut tau, mut why) = match config.policy.fixed() {
+                Some(tau) => (
                     tau,
                     ThresholdWhy {
                         reason: ThresholdReason::Fixed,
@@ -454,7 +458,7 @@ impl Scheduler {
                         cap_tau: f64::NAN,
                     },
                 ),
-                ThresholdPolicy::SloAware => {
+                None => {
                     let allowed = requests.allowed()[p];
                     let cap = usize::from(requests.caps()[p]);
                     let steps = requests.steps_of(a.pos);
@@ -484,6 +488,10 @@ impl Scheduler {
                     (config.thresholds[k], why)
                 }
             };
+            if let Some(pinned) = requests.req(a.pos).pinned {
+                tau = pinned;
+                why.reason = ThresholdReason::Pinned;
+            }
             requests.set_last_tau(a.pos, tau);
             instances.slots[a.inst as usize].next_tokens += a.next_estimate;
             let at = scratch.cursor[a.inst as usize];

@@ -17,7 +17,7 @@ use crate::planner::Arrival;
 use crate::profile::StepKind;
 use crate::scheduler::{
     DegreeCosts, FinishedRequest, InstanceSpec, RequestSpec, SchedError, Scheduler, StepResult,
-    ThresholdPolicy, ThresholdReason,
+    ThresholdReason,
 };
 
 /// A simulated time as a heap key (times are finite: checked on input).
@@ -166,7 +166,7 @@ impl<'a> Simulation<'a> {
             .transpose()?;
         // The thresholds steps can run at: the candidates, or a fixed policy's.
         let mut taus = sched.config().thresholds.clone();
-        if let ThresholdPolicy::Fixed(tau) = sched.config().policy.threshold {
+        if let Some(tau) = sched.config().policy.fixed() {
             taus.push(tau);
         }
         let mut sim = Self {
