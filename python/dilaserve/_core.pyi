@@ -82,27 +82,11 @@ class Scheduler:
     def __init__(
         self,
         profile: LatencyProfile,
+        config_json: str,
         *,
-        thresholds: list[float],
-        block_length: int,
-        caching: bool,
-        max_batch_tokens: int,
-        slo_window_s: float | None,
-        threshold_policy: str,
-        fixed_tau: float,
-        load_control: bool,
-        load_order: str,
-        instance_choice: str,
-        migration: bool,
-        prediction: str,
-        predict_every: int,
-        predictor_rates: list[tuple[float, float]] | None,
-        max_queued: int | None = None,
+        predictor_rates: list[tuple[float, float]] | None = None,
         predictor: object | None = None,
         predictor_model: str | None = None,
-        load_model: str = "forecast",
-        admission: str = "reject",
-        target_utilisation: float = 0.9,
     ) -> None: ...
     @property
     def thresholds(self) -> list[float]: ...
@@ -252,3 +236,32 @@ def simulate(
     step_overhead_s: float = 0.0,
     replan_json: str | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, float]]: ...
+def scheduler_settings_json() -> str:
+    """The scheduler settings' schema and the named policies (JSON)."""
+
+def policy_named_json(name: str) -> str: ...
+def check_scheduler_settings_json(config_json: str) -> None: ...
+
+class Replanner:
+    """Periodic replanning shared with the simulator (`planner::Replanner`)."""
+
+    def __init__(self, options_json: str) -> None: ...
+    def set_options_json(self, options_json: str) -> None: ...
+    def record(self, time: float, prompt_tokens: int, output_tokens: int) -> None: ...
+    def planned_batch(self, degree: int) -> int | None: ...
+    @property
+    def next_plan(self) -> float: ...
+    def inputs_json(
+        self,
+        now: float,
+        running: list[tuple[int, int, int, list[int]]],
+        node_gpus: list[int],
+        default_batch: int,
+        profile: LatencyProfile,
+        *,
+        window_s: float | None = None,
+        min_improvement: float | None = None,
+    ) -> str | None: ...
+    def adopt_json(self, plan_json: str) -> None: ...
+    @staticmethod
+    def handover(others_serving: bool, launch_follows: bool) -> bool: ...

@@ -288,7 +288,12 @@ def _transition(raw: Mapping[str, Any]) -> TransitionPlan:
 def plan(inputs: PlannerInputs, profile: LatencyProfile) -> Plan:
     """Runs Stage 1, evaluates the running deployment, applies the adoption rule and, if the
     new plan is adopted, Stage 2. Raises PlannerInputError on bad input."""
-    raw = json.loads(_core.plan_json(_inputs_json(inputs), profile))
+    return plan_from_json(_core.plan_json(_inputs_json(inputs), profile))
+
+
+def plan_from_json(plan_json: str) -> Plan:
+    """A `Plan` from the core's JSON form of it (`plan_json`'s output)."""
+    raw = json.loads(plan_json)
     return Plan(
         capacity=_capacity(raw["capacity"]),
         current_value=PlanValue(**raw["current_value"]) if raw["current_value"] else None,

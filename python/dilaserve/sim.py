@@ -206,6 +206,7 @@ class _ClusterSettings:
                     block_length=self.block_length,
                 )
             ),
+            "slo": {"fixed": {"seconds": slo_s}},
             "thresholds": [dataclasses.asdict(t) for t in self.threshold_options()],
             "bins": dataclasses.asdict(BinSpec()),
         }

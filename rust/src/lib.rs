@@ -3,11 +3,11 @@
 //! bindings are compiled only with the `python` feature, which maturin turns on.
 
 mod id_map;
-pub mod settings;
 pub mod planner;
 pub mod predictor;
 pub mod profile;
 pub mod scheduler;
+pub mod settings;
 pub mod sim;
 
 #[cfg(feature = "python")]

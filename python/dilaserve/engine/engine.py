@@ -17,10 +17,8 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Sequence
 
-from dilaserve.planner import Arrival
 from dilaserve.predictor.serving import predictor_for
 from dilaserve.protocol import (
     RequestState,
@@ -61,14 +59,13 @@ from .quality import default_slo_thresholds, quality_floor
 from .rates import MIN_STEPS, OnlineRates
 from .reconfigure import Reconfigurer
 from .requests import RequestOutput, RequestStats, TrackedRequest
+from .status import EngineStatus, InstanceStatus, PlanStatus
 from .transport import SendError, WorkerChannel
 
 log = logging.getLogger(__name__)
 
 #: How long a worker may take to load its model and report ready.
 READY_TIMEOUT_S = 300.0
-#: Arrivals remembered for planning (seconds).
-ARRIVAL_HISTORY_S = 600.0
 
 
 class Engine:
@@ -89,7 +86,6 @@ class Engine:
         self._worker_ids = itertools.count(1)
         self._instance_ids = itertools.count(0)
         self._step_numbers = itertools.count(1)
-        self._arrivals: deque[Arrival] = deque()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._running = False
@@ -147,7 +143,7 @@ class Engine:
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._loop()))
         if c.replan_interval_s:
-            self._tasks.append(loop.create_task(self._replan_every(c.replan_interval_s)))
+            self._tasks.append(loop.create_task(self._replan_every()))
         placements = self.reconfigurer.initial_placement(c.instances)
         await asyncio.gather(*(self.launch_instance(*p) for p in placements))
 
@@ -217,6 +213,7 @@ class Engine:
         )
         self.config = dataclasses.replace(self.config, predictor_rates=table)
         self.builder.config = self.config
+        self.reconfigurer.settings_changed()
         if self._learns_predictor:
             self.scheduler.set_predictor_rates(table)
 
@@ -282,9 +279,7 @@ class Engine:
             raise BadRequestError(str(exc), index) from exc
         req = TrackedRequest(state=state, arrival=now, slo_s=slo)
         self._requests[req.id] = req
-        self._arrivals.append(Arrival(now, state.prompt_length, state.output_length))
-        while self._arrivals and self._arrivals[0].time < now - ARRIVAL_HISTORY_S:
-            self._arrivals.popleft()
+        self.reconfigurer.record(now, state.prompt_length, state.output_length)
         return req
 
     def encode(self, prompt: str) -> list[int]:
@@ -351,6 +346,39 @@ class Engine:
     def active_requests(self) -> int:
         return len(self._requests)
 
+    def status(self) -> EngineStatus:
+        """A snapshot of the instances, the load, the last plan and the step times."""
+        instances = []
+        for inst in sorted(self.instances.values(), key=lambda i: i.id):
+            state = "stopping" if inst.stopping else "serving" if inst.registered else "starting"
+            entry = InstanceStatus(inst.id, inst.tp, inst.gpus, inst.node, state, inst.restarts)
+            if inst.registered:
+                info = self.scheduler.instance(inst.id)
+                entry = dataclasses.replace(
+                    entry,
+                    batch_tokens=info.batch_tokens,
+                    residents=info.residents,
+                    resident_tokens=info.resident_tokens,
+                    steps_run=info.steps_run,
+                )
+            instances.append(entry)
+        plan = self.reconfigurer.last_plan
+        return EngineStatus(
+            instances=tuple(instances),
+            active_requests=self.active_requests,
+            overloaded=self.scheduler.overloaded,
+            plan=None
+            if plan is None
+            else PlanStatus(
+                plan.adopted, plan.reason, {d.degree: d.instances for d in plan.capacity.degrees}
+            ),
+            planner_runs=self.reconfigurer.runs,
+            planner_solve_seconds=self.reconfigurer.solve_seconds,
+            worker_restarts=self.restarts,
+            step_times=dataclasses.asdict(self.step_times),
+            tokens_per_step=self.tokens_per_step(),
+        )
+
     def _fail(self, req: TrackedRequest, error: BaseException) -> None:
         """Ends a live request with `error`, freeing its capacity everywhere."""
         self._requests.pop(req.id, None)
@@ -358,9 +386,11 @@ class Engine:
             self.scheduler.cancel(req.id)
         req.outputs.put_nowait(error)
 
-    def arrivals(self) -> list[Arrival]:
-        """Arrivals of the last `ARRIVAL_HISTORY_S` seconds (the planner's input)."""
-        return list(self._arrivals)
+    def spawn(self, coroutine) -> asyncio.Task[None]:
+        """Runs `coroutine` on the engine's loop until it ends or the engine stops."""
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.append(task)
+        return task
 
     # -- instances -------------------------------------------------------------------------
 
@@ -368,13 +398,15 @@ class Engine:
         """Reconfigures to `targets` instances per TP degree while serving."""
         await self.reconfigurer.scale_to(targets)
 
-    async def _replan_every(self, interval_s: float) -> None:
+    async def _replan_every(self) -> None:
+        """Replans whenever the replanner says a plan is due."""
         while True:
-            await asyncio.sleep(interval_s)
+            await asyncio.sleep(max(0.0, self.reconfigurer.next_plan - self.now()))
             try:
-                await self.reconfigurer.replan(interval_s)
+                await self.reconfigurer.replan()
             except Exception:
                 log.exception("periodic replan failed")
+                await asyncio.sleep(self.config.replan_interval_s or 0.0)
 
     async def launch_instance(self, tp: int, gpus: tuple[int, ...], node: int = 0) -> int:
         """Starts an instance of `tp` ranks on devices `gpus` and returns its id once it

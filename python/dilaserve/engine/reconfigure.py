@@ -12,17 +12,25 @@ Nodes come from the launcher (one node of `device_slots` locally, the Ray cluste
 with `RayLauncher`); the planner numbers them 0..n-1 in launcher-key order. A node that
 leaves takes its instances with it (their requests resume elsewhere at once); a node that
 leaves or joins triggers a replan for the cluster as it now is, adopted unless it is worse
-than what runs."""
+than what runs.
+
+When to plan, what the planner is asked, what an adopted plan changes and when a stop
+hands over are the core's replanner's (`_core.Replanner`), which the simulator runs too;
+this module executes its plans on workers. It knows the engine only through
+`ManagedCluster`, the few engine methods it calls."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
+import json
 import logging
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
+from dilaserve import _core
 from dilaserve.planner import (
     DEFAULT_BATCH_TOKENS,
     Deployment,
@@ -31,18 +39,33 @@ from dilaserve.planner import (
     Plan,
     PlannerConfig,
     PlannerInputError,
-    PlannerInputs,
     TransitionPlan,
-    classes_from_arrivals,
-    plan,
+    plan_from_json,
     plan_transition,
 )
 from dilaserve.protocol import CacheMode
 
-from .admission import isolated_latency, threshold_options
+from .admission import threshold_options
 
-if TYPE_CHECKING:
-    from .engine import Engine
+
+class ManagedCluster(Protocol):
+    """What the reconfigurer needs of the engine."""
+
+    config: Any
+    profile: Any
+    planner_degrees: tuple[int, ...]
+    degrees: Any
+    launcher: Any
+    instances: Mapping[int, Any]
+    launches_pending: int
+
+    def now(self) -> float: ...
+    async def launch_instance(self, tp: int, gpus: tuple[int, ...], node: int = 0) -> int: ...
+    async def stop_instance(self, instance_id: int, *, handover: bool = False) -> None: ...
+    def lose_instance(self, instance_id: int) -> None: ...
+    def fail_if_unserved(self) -> None: ...
+    def spawn(self, coroutine: Any) -> asyncio.Task[None]: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +73,38 @@ log = logging.getLogger(__name__)
 MEMBERSHIP_WINDOW_S = 60.0
 
 
+def replan_options(engine: ManagedCluster) -> str:
+    """The replanner's options for the engine's current settings (JSON)."""
+    c = engine.config
+    window = c.replan_interval_s or MEMBERSHIP_WINDOW_S
+    options = threshold_options(c)
+    planner = PlannerConfig(
+        slo_seconds=1.0,  # replaced at each plan: slo_scale x the window's isolated latency
+        degrees=engine.planner_degrees,
+        batch_tokens=DEFAULT_BATCH_TOKENS,
+        caching=c.cache is not CacheMode.NONE,
+        block_length=c.block_length,
+    )
+    return json.dumps(
+        {
+            "interval_s": window,
+            "window_s": window,
+            "planner": dataclasses.asdict(planner),
+            "slo": {
+                "scaled": {"scale": c.slo_scale, "tokens_per_step": options[-1].tokens_per_step}
+            },
+            "thresholds": [dataclasses.asdict(t) for t in options],
+        }
+    )
+
+
 class Reconfigurer:
     """Executes layout changes of one engine, one at a time."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: ManagedCluster) -> None:
         self.engine = engine
         self._lock = asyncio.Lock()
+        self._replanner = _core.Replanner(replan_options(engine))
         #: The last plan computed by `replan`, adopted or not.
         self.last_plan: Plan | None = None
         self.runs = 0
@@ -66,36 +115,45 @@ class Reconfigurer:
         self._membership_again = False
         #: TP degrees of instances lost with their nodes and not replaced yet.
         self._lost: Counter[int] = Counter()
-        #: Batch size per TP degree of the last adopted plan: how the running deployment
-        #: is described to the next plan (the plan's latencies assume it). It is no cap on
-        #: the instances, which keep the configured budget: capping them at it cost 11
-        #: points of attainment on the simulated day trace (`benches/sim.py`).
-        self.batch_tokens: dict[int, int] = {}
+
+    def record(self, time: float, prompt_tokens: int, output_tokens: int) -> None:
+        """An arrival, for the plans to come."""
+        self._replanner.record(time, prompt_tokens, output_tokens)
+
+    def settings_changed(self) -> None:
+        """The engine's rates changed (learned while serving): later plans use them."""
+        self._replanner.set_options_json(replan_options(self.engine))
 
     def planned_batch(self, tp: int) -> int:
-        """Batch size the running TP-`tp` instances are planned at: the last adopted
-        plan's, or the configured budget before any plan chose one."""
-        return self.batch_tokens.get(tp, self.engine.config.max_batch_tokens)
+        """Batch size the running TP-`tp` instances are planned at: the last adopted plan's,
+        or the configured budget before any plan chose one. It describes the deployment to
+        the planner and caps nothing."""
+        planned = self._replanner.planned_batch(tp)
+        return self.engine.config.max_batch_tokens if planned is None else planned
+
+    @property
+    def next_plan(self) -> float:
+        """When the next periodic plan is due, on the engine's clock."""
+        return self._replanner.next_plan
 
     def layout(self) -> tuple[list[int], list[int]]:
         """Device slots per node in the planner's order, and each node's launcher key."""
         nodes = sorted(self.engine.launcher.node_slots(self.engine.config.slots).items())
         return [slots for _, slots in nodes], [key for key, _ in nodes]
 
+    def running(self, keys: Sequence[int]) -> list[Any]:
+        """Instances serving (not stopping) on the nodes of `keys`, by id."""
+        nodes = set(keys)
+        serving = (i for i in self.engine.instances.values() if not i.stopping and i.node in nodes)
+        return sorted(serving, key=lambda i: i.id)
+
     def deployment(self, keys: Sequence[int] | None = None) -> tuple[Deployment, list[int]]:
-        """The running layout as the planner sees it, and the instance id of each entry."""
+        """The running layout as Stage 2 sees it, and the instance id of each entry."""
         keys = self.layout()[1] if keys is None else keys
         index = {key: n for n, key in enumerate(keys)}
-        running = sorted(
-            (i for i in self.engine.instances.values() if not i.stopping and i.node in index),
-            key=lambda i: i.id,
-        )
-        degrees = {i.tp for i in running}
-        deployment = Deployment(
-            instances=tuple(Instance(index[i.node], i.tp, i.gpus) for i in running),
-            batch_tokens={d: self.planned_batch(d) for d in degrees},
-        )
-        return deployment, [i.id for i in running]
+        running = self.running(keys)
+        instances = tuple(Instance(index[i.node], i.tp, i.gpus) for i in running)
+        return Deployment(instances=instances), [i.id for i in running]
 
     def initial_placement(self, degrees: Sequence[int]) -> list[tuple[int, tuple[int, ...], int]]:
         """Where the engine's first instances go, as `(tp, devices, node key)`: consecutive
@@ -126,57 +184,41 @@ class Reconfigurer:
             await self._execute(transition, ids, keys)
             return transition
 
-    async def replan(self, window_s: float, min_improvement: float = 0.10) -> Plan | None:
-        """Plans for the arrivals of the last `window_s` seconds and, if the planner adopts
-        the new plan (one objective improves by `min_improvement`), executes its
-        transition."""
-        engine, c = self.engine, self.engine.config
-        now = engine.now()
-        arrivals = [a for a in engine.arrivals() if a.time >= now - window_s]
-        if not arrivals:
-            return None
+    async def replan(
+        self, window_s: float | None = None, min_improvement: float | None = None
+    ) -> Plan | None:
+        """Plans for the arrivals of the last `window_s` seconds (the replan interval by
+        default) and, if the planner adopts the new plan (an objective improves by
+        `min_improvement`, 10 % by default), executes its transition."""
+        engine = self.engine
         async with self._lock:
             node_gpus, keys = self.layout()
-            if not node_gpus:
-                log.warning("replan: no node is left to plan for")
-                return None
-            current, ids = self.deployment(keys)
-            caching = c.cache is not CacheMode.NONE
-            inputs = PlannerInputs(
-                classes=classes_from_arrivals(arrivals, now - window_s, now),
-                node_gpus=node_gpus,
-                config=PlannerConfig(
-                    slo_seconds=c.slo_scale * isolated_latency(c, engine.profile, arrivals),
-                    # No degree wider than the largest node (a cluster's nodes may differ).
-                    degrees=tuple(d for d in engine.planner_degrees if d <= max(node_gpus)) or (1,),
-                    batch_tokens=tuple(
-                        sorted(
-                            {
-                                *DEFAULT_BATCH_TOKENS,
-                                c.max_batch_tokens,
-                                *current.batch_tokens.values(),
-                            }
-                        )
-                    ),
-                    caching=caching,
-                    block_length=c.block_length,
-                    min_improvement=min_improvement,
-                ),
-                thresholds=threshold_options(c),
-                current=current,
+            index = {key: n for n, key in enumerate(keys)}
+            running = [(i.id, index[i.node], i.tp, list(i.gpus)) for i in self.running(keys)]
+            asked = self._replanner.inputs_json(
+                engine.now(),
+                running,
+                node_gpus,
+                engine.config.max_batch_tokens,
+                engine.profile,
+                window_s=window_s,
+                min_improvement=min_improvement,
             )
-            result = await asyncio.to_thread(plan, inputs, engine.profile)
-            self.last_plan = result
+            if asked is None:
+                if not node_gpus:
+                    log.warning("replan: no node is left to plan for")
+                return None
+            inputs = json.loads(asked)
+            raw = await asyncio.to_thread(
+                _core.plan_json, json.dumps(inputs["inputs"]), engine.profile
+            )
+            self._replanner.adopt_json(raw)
+            result = self.last_plan = plan_from_json(raw)
             self.runs += 1
             self.solve_seconds += result.stage1_seconds + result.stage2_seconds
             log.info("replan: %s", result.reason)
             if result.adopted and result.transition is not None:
-                self.batch_tokens.update(
-                    (d.degree, d.batch_tokens)
-                    for d in result.capacity.degrees
-                    if d.batch_tokens is not None
-                )
-                await self._execute(result.transition, ids, keys)
+                await self._execute(result.transition, inputs["instance_ids"], keys)
             return result
 
     def on_nodes_changed(self, lost: Collection[int], joined: Collection[int]) -> None:
@@ -193,8 +235,7 @@ class Reconfigurer:
         if self._membership is not None and not self._membership.done():
             self._membership_again = True
             return
-        self._membership = asyncio.get_running_loop().create_task(self._replan_for_nodes())
-        engine._tasks.append(self._membership)  # cancelled with the engine's other tasks
+        self._membership = engine.spawn(self._replan_for_nodes())
 
     async def nodes_settled(self) -> None:
         """Returns once the replans triggered by node changes so far are done."""
@@ -204,12 +245,11 @@ class Reconfigurer:
     async def _replan_for_nodes(self) -> None:
         """Replans until no node change arrived meanwhile. Without recent arrivals to plan
         from, the instances lost with their nodes are relaunched where they fit."""
-        window = self.engine.config.replan_interval_s or MEMBERSHIP_WINDOW_S
         while True:
             self._membership_again = False
             self.membership_replans += 1
             try:
-                result = await self.replan(window, min_improvement=0.0)
+                result = await self.replan(min_improvement=0.0)
                 if result is None and self._lost:
                     await self._replace_lost()
                 elif result is not None and result.adopted:
@@ -246,8 +286,9 @@ class Reconfigurer:
                         launches -= 1
                     continue
                 instance = ids[action.instance]
-                handover = self._last_serving(instance) and any(
-                    isinstance(a, LaunchAction) for a in actions[i + 1 :]
+                handover = _core.Replanner.handover(
+                    not self._last_serving(instance),
+                    any(isinstance(a, LaunchAction) for a in actions[i + 1 :]),
                 )
                 log.info(
                     "reconfigure: stop instance %d%s", instance, " by handover" if handover else ""

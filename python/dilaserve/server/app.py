@@ -362,38 +362,19 @@ class Server:
         return web.json_response({"object": "list", "data": [model]})
 
     async def cluster(self, request: web.Request) -> web.Response:
-        engine = self.engine
-        instances = []
-        for inst in sorted(engine.instances.values(), key=lambda i: i.id):
-            entry = {
-                "id": inst.id,
-                "tp": inst.tp,
-                "gpus": list(inst.gpus),
-                "node": inst.node,
-                "state": _state(inst),
-                "restarts": inst.restarts,
-            }
-            if inst.registered:
-                info = engine.scheduler.instance(inst.id)
-                entry |= {
-                    "batch_tokens": info.batch_tokens,
-                    "residents": info.residents,
-                    "resident_tokens": info.resident_tokens,
-                    "steps_run": info.steps_run,
-                }
-            instances.append(entry)
-        plan = engine.reconfigurer.last_plan
-        if plan is not None:
-            degrees = {d.degree: d.instances for d in plan.capacity.degrees}
-            plan = {"adopted": plan.adopted, "reason": plan.reason, "degrees": degrees}
+        status = self.engine.status()
+        instances = [
+            {k: v for k, v in dataclasses.asdict(i).items() if v is not None}
+            for i in status.instances
+        ]
         return web.json_response(
             {
                 "instances": instances,
-                "active_requests": engine.active_requests,
-                "overloaded": engine.scheduler.overloaded,
-                "plan": plan,
-                "step_times": dataclasses.asdict(engine.step_times),
-                "tokens_per_step": engine.tokens_per_step(),
+                "active_requests": status.active_requests,
+                "overloaded": status.overloaded,
+                "plan": None if status.plan is None else dataclasses.asdict(status.plan),
+                "step_times": status.step_times,
+                "tokens_per_step": status.tokens_per_step,
             }
         )
 
@@ -401,8 +382,7 @@ class Server:
         return web.json_response({"status": "ok"})
 
     async def ready(self, request: web.Request) -> web.Response:
-        instances = self.engine.instances.values()
-        up = bool(instances) and all(i.registered for i in instances)
+        up = self.engine.status().ready
         return web.json_response({"ready": up}, status=200 if up else 503)
 
     async def prometheus(self, request: web.Request) -> web.Response:
@@ -410,12 +390,6 @@ class Server:
             body=generate_latest(self.metrics.registry),
             headers={"Content-Type": CONTENT_TYPE_LATEST},
         )
-
-
-def _state(inst) -> str:
-    if inst.stopping:
-        return "stopping"
-    return "serving" if inst.registered else "starting"
 
 
 @dataclass

@@ -88,15 +88,14 @@ class EngineCollector(Collector):
         self.engine = engine
 
     def collect(self) -> Iterator[Metric]:
-        engine = self.engine
+        status = self.engine.status()
         batch = GaugeMetricFamily(
             "dilaserve:instance_batch_tokens", "Tokens of the step in flight", labels=["instance"]
         )
-        per_degree = Tally(inst.tp for inst in engine.instances.values() if inst.registered)
-        for inst in engine.instances.values():
-            if inst.registered:
-                info = engine.scheduler.instance(inst.id)
-                batch.add_metric([str(inst.id)], info.batch_tokens)
+        serving = [i for i in status.instances if i.state == "serving"]
+        per_degree = Tally(inst.tp for inst in serving)
+        for inst in serving:
+            batch.add_metric([str(inst.id)], inst.batch_tokens)
         yield batch
         degrees = GaugeMetricFamily(
             "dilaserve:instances", "Serving instances per TP degree", labels=["tp"]
@@ -105,15 +104,16 @@ class EngineCollector(Collector):
             degrees.add_metric([str(tp)], count)
         yield degrees
         yield GaugeMetricFamily(
-            "dilaserve:active_requests", "Requests in the engine", value=engine.active_requests
+            "dilaserve:active_requests", "Requests in the engine", value=status.active_requests
         )
-        reconfigurer = engine.reconfigurer
-        yield CounterMetricFamily("dilaserve:planner_runs", "Planner runs", value=reconfigurer.runs)
+        yield CounterMetricFamily(
+            "dilaserve:planner_runs", "Planner runs", value=status.planner_runs
+        )
         yield CounterMetricFamily(
             "dilaserve:planner_solve_seconds",
             "Time spent solving plans",
-            value=reconfigurer.solve_seconds,
+            value=status.planner_solve_seconds,
         )
         yield CounterMetricFamily(
-            "dilaserve:worker_restarts", "Worker processes restarted", value=engine.restarts
+            "dilaserve:worker_restarts", "Worker processes restarted", value=status.worker_restarts
         )

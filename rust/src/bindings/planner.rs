@@ -9,8 +9,8 @@ use pyo3::prelude::*;
 use super::args::Unsigned;
 use super::profile::PyLatencyProfile;
 use crate::planner::{
-    self, Arrival, BinSpec, PlannerError, PlannerInputs, SolverKind, ThresholdOption,
-    TransitionInputs,
+    self, Arrival, BinSpec, Plan, PlannerError, PlannerInputs, ReplanOptions, Replanner,
+    RunningInstance, SolverKind, ThresholdOption, TransitionInputs,
 };
 
 create_exception!(
@@ -147,6 +147,104 @@ fn mean_isolated_latency(
     .map_err(to_py)
 }
 
+/// The replanner shared with the simulator (`planner::Replanner`): the engine records
+/// arrivals, asks for the planner's inputs when a plan is due, solves them off its loop
+/// (`plan_json`) and hands the plan back.
+#[pyclass(name = "Replanner", module = "dilaserve._core")]
+pub struct PyReplanner {
+    inner: Replanner,
+}
+
+#[pymethods]
+impl PyReplanner {
+    #[new]
+    fn new(options_json: &str) -> PyResult<Self> {
+        let options: ReplanOptions = serde_json::from_str(options_json)
+            .map_err(|e| PlannerInputError::new_err(format!("replan options: {e}")))?;
+        Ok(Self {
+            inner: Replanner::new(options).map_err(to_py)?,
+        })
+    }
+
+    /// Replaces the options, keeping what was recorded.
+    fn set_options_json(&mut self, options_json: &str) -> PyResult<()> {
+        let options: ReplanOptions = serde_json::from_str(options_json)
+            .map_err(|e| PlannerInputError::new_err(format!("replan options: {e}")))?;
+        self.inner.set_options(options).map_err(to_py)
+    }
+
+    fn record(&mut self, time: f64, prompt_tokens: Count<u64>, output_tokens: Count<u64>) {
+        self.inner.record(Arrival {
+            time,
+            prompt_tokens: prompt_tokens.0,
+            output_tokens: output_tokens.0,
+        });
+    }
+
+    /// Batch tokens the last adopted plan chose for a TP degree, if one did.
+    fn planned_batch(&self, degree: u32) -> Option<u64> {
+        self.inner.planned_batch(degree)
+    }
+
+    /// When the next periodic plan is due.
+    #[getter]
+    fn next_plan(&self) -> f64 {
+        self.inner.next_plan()
+    }
+
+    /// `ReplanInputs` as JSON, or None without arrivals in the window. `running`:
+    /// `(id, node index, degree, gpus)` of each instance serving.
+    #[pyo3(signature = (now, running, node_gpus, default_batch, profile, *, window_s=None, min_improvement=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn inputs_json(
+        &mut self,
+        now: f64,
+        running: Vec<(u64, usize, u32, Vec<u32>)>,
+        node_gpus: Vec<u32>,
+        default_batch: Count<u64>,
+        profile: &Bound<'_, PyLatencyProfile>,
+        window_s: Option<f64>,
+        min_improvement: Option<f64>,
+    ) -> PyResult<Option<String>> {
+        let running: Vec<RunningInstance> = running
+            .into_iter()
+            .map(|(id, node, degree, gpus)| RunningInstance {
+                id,
+                node,
+                degree,
+                gpus,
+            })
+            .collect();
+        let asked = self
+            .inner
+            .inputs(
+                now,
+                window_s,
+                min_improvement,
+                &running,
+                &node_gpus,
+                default_batch.0,
+                &profile.get().inner,
+            )
+            .map_err(to_py)?;
+        asked.map(|a| to_json(&a)).transpose()
+    }
+
+    /// Takes note of a plan (`plan_json`'s output) computed from its inputs.
+    fn adopt_json(&mut self, plan_json: &str) -> PyResult<()> {
+        let plan: Plan = serde_json::from_str(plan_json)
+            .map_err(|e| PlannerInputError::new_err(format!("plan is malformed: {e}")))?;
+        self.inner.adopt(&plan);
+        Ok(())
+    }
+
+    /// Whether a planned stop hands its requests over instead of draining.
+    #[staticmethod]
+    fn handover(others_serving: bool, launch_follows: bool) -> bool {
+        Replanner::handover(others_serving, launch_follows)
+    }
+}
+
 /// Names of the MILP backends compiled in.
 #[pyfunction]
 fn planner_solvers() -> Vec<&'static str> {
@@ -164,6 +262,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(classes_from_arrivals, m)?)?;
     m.add_function(wrap_pyfunction!(mean_isolated_latency, m)?)?;
     m.add_function(wrap_pyfunction!(planner_solvers, m)?)?;
+    m.add_class::<PyReplanner>()?;
     m.add("PlannerInputError", m.py().get_type::<PlannerInputError>())?;
     m.add("PlannerSolveError", m.py().get_type::<PlannerSolveError>())?;
     Ok(())

@@ -14,8 +14,8 @@ use super::predictor::predictor_from_object;
 use super::profile::PyLatencyProfile;
 use crate::predictor::GbmPredictor;
 use crate::scheduler::{
-    FinishedRequest, InstanceSpec, MeanRatePredictor, Policy, RequestSpec, SchedError,
-    Scheduler, SchedulerConfig, StepPredictor, StepResult, PRESETS,
+    FinishedRequest, InstanceSpec, MeanRatePredictor, Policy, RequestSpec, SchedError, Scheduler,
+    SchedulerConfig, StepPredictor, StepResult, PRESETS,
 };
 use crate::settings::Described;
 

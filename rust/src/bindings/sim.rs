@@ -12,7 +12,7 @@ use super::planner::to_py as planner_error;
 use super::scheduler::PyScheduler;
 use crate::scheduler::InstanceSpec;
 use crate::sim::{
-    self, ProgressModel, ReplanOptions, RequestOutcome, SimError, SimOptions, SimRequest,
+    self, ProgressModel, RequestOutcome, SimError, SimOptions, SimReplanOptions, SimRequest,
 };
 
 create_exception!(
@@ -78,7 +78,7 @@ fn simulate<'py>(
         })
         .collect();
     let progress = ProgressModel::list_from_json(progress_json).map_err(to_py)?;
-    let replan: Option<ReplanOptions> = replan_json
+    let replan: Option<SimReplanOptions> = replan_json
         .map(serde_json::from_str)
         .transpose()
         .map_err(|e| SimInputError::new_err(format!("replan options: {e}")))?;

@@ -7,6 +7,7 @@ mod capacity;
 pub mod classes;
 pub mod error;
 pub mod inputs;
+pub mod replanner;
 pub mod sequence;
 pub mod slo;
 pub mod solver;
@@ -23,6 +24,7 @@ pub use self::error::PlannerError;
 pub use self::inputs::{
     Deployment, Instance, PlannerConfig, PlannerInputs, RequestClass, SolverKind, ThresholdOption,
 };
+pub use self::replanner::{ReplanInputs, ReplanOptions, Replanner, RunningInstance, SloTarget};
 pub use self::sequence::Action;
 pub use self::slo::mean_isolated_latency;
 pub use self::solver::{solver_available, SolveStatus};

@@ -128,7 +128,8 @@ pub struct Preset {
 pub const PRESETS: &[Preset] = &[
     Preset {
         name: "dilaserve",
-        doc: "SLO-aware thresholds, forecast load control, earliest-completion placement, migration",
+        doc:
+            "SLO-aware thresholds, forecast load control, earliest-completion placement, migration",
         policy: Policy::dilaserve,
         fixed_layout: false,
     },
@@ -171,7 +172,11 @@ pub const PRESETS: &[Preset] = &[
     Preset {
         name: "paper",
         doc: "DESIGN §5's load control as written, admitting everything, on the fixed layout",
-        policy: || Policy::dilaserve().window_load_control().without_admission(),
+        policy: || {
+            Policy::dilaserve()
+                .window_load_control()
+                .without_admission()
+        },
         fixed_layout: true,
     },
     Preset {
@@ -465,8 +470,8 @@ mod tests {
         assert_eq!(cfg.max_batch_tokens, 512);
         assert_eq!(cfg.policy, Policy::dilaserve().without_migration());
         assert_eq!(cfg.thresholds, SchedulerConfig::default().thresholds);
-        let back: SchedulerConfig = serde_json::from_value(serde_json::to_value(&cfg).unwrap())
-            .unwrap();
+        let back: SchedulerConfig =
+            serde_json::from_value(serde_json::to_value(&cfg).unwrap()).unwrap();
         assert_eq!(back, cfg);
         assert!(serde_json::from_str::<SchedulerConfig>(r#"{"max_batch": 1}"#).is_err());
         assert!(
@@ -485,7 +490,10 @@ mod tests {
         };
         assert_eq!(field("max_batch_tokens")["default"], 8192);
         assert_eq!(field("max_queued")["kind"]["nullable"], true);
-        assert!(field("block_length")["doc"].as_str().unwrap().contains("block size"));
+        assert!(field("block_length")["doc"]
+            .as_str()
+            .unwrap()
+            .contains("block size"));
         let policy = field("policy");
         let admission = policy["fields"]
             .as_array()

@@ -50,8 +50,8 @@ mod tests_events;
 mod tests_lifecycle;
 
 pub use config::{
-    Admission, InstanceChoice, LoadModel, LoadOrder, Policy, Prediction, Preset,
-    SchedulerConfig, ThresholdPolicy, MAX_THRESHOLDS, PRESETS,
+    Admission, InstanceChoice, LoadModel, LoadOrder, Policy, Prediction, Preset, SchedulerConfig,
+    ThresholdPolicy, MAX_THRESHOLDS, PRESETS,
 };
 pub use cost::{DegreeCosts, Limits};
 pub use decisions::{

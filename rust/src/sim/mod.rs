@@ -13,7 +13,7 @@ mod reconfig;
 pub use error::SimError;
 pub use outcome::{RequestOutcome, SimResult, SimStats};
 pub use progress::ProgressModel;
-pub use reconfig::ReplanOptions;
+pub use reconfig::SimReplanOptions;
 
 use crate::scheduler::{InstanceSpec, Scheduler};
 
@@ -41,7 +41,7 @@ pub struct SimOptions {
     /// dispatch, transport and result handling around it (the live engine measures it).
     pub step_overhead_s: f64,
     /// Periodic replanning through the planner (DESIGN §7); `None` keeps the layout.
-    pub replan: Option<ReplanOptions>,
+    pub replan: Option<SimReplanOptions>,
 }
 
 impl Default for SimOptions {

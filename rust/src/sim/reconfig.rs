@@ -1,39 +1,28 @@
-//! Periodic replanning in simulated time (DESIGN §7), as the live engine's reconfigurer
-//! does it: plan for the last window's arrivals and, when the planner adopts the plan,
-//! execute its Stage-2 sequence one action at a time — a launch is ready after the launch
-//! time; a stop drains the instance by migration and removes it once empty (or, when it is
-//! the last one serving and a launch follows, once its running step ends: its requests
-//! wait for the launch). The running deployment is described to the planner with each
-//! degree's batch size of the last adopted plan, as live; instances keep the scheduler's
-//! batch-token budget.
+//! Replanning in simulated time: the live engine's replanner (`planner::Replanner`) decides
+//! when to plan, what to ask and when a stop hands over; here its adopted plans' Stage-2
+//! sequences run one action at a time — a launch is ready after the launch time; a stop
+//! drains the instance by migration and removes it once empty (or, by handover, once its
+//! running step ends: its requests wait for the launch).
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
 use super::cluster::Simulation;
 use super::SimError;
-use crate::planner::{
-    classes_from_arrivals, plan, Action, Arrival, BinSpec, Deployment, Instance, PlannerConfig,
-    PlannerInputs, ThresholdOption,
-};
+use crate::planner::{plan, Action, Arrival, ReplanOptions, Replanner, RunningInstance};
 use crate::scheduler::InstanceSpec;
 
+/// The replanner's options and what the simulated cluster adds.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct ReplanOptions {
-    /// Simulated seconds between planner runs (the paper: 300).
-    pub interval_s: f64,
-    /// Arrivals of this many past seconds make the planner's request classes.
-    pub window_s: f64,
+pub struct SimReplanOptions {
+    #[serde(flatten)]
+    pub replan: ReplanOptions,
     /// Simulated seconds from a launch to the instance serving.
     pub launch_s: f64,
     /// GPUs of each node.
     pub node_gpus: Vec<u32>,
-    pub planner: PlannerConfig,
-    pub thresholds: Vec<ThresholdOption>,
-    #[serde(default)]
-    pub bins: BinSpec,
 }
 
 /// An action of an adopted plan under way.
@@ -44,28 +33,15 @@ enum Running {
 }
 
 pub(super) struct Reconfig {
-    options: ReplanOptions,
-    next_plan: f64,
-    recent: VecDeque<Arrival>,
+    replanner: Replanner,
+    launch_s: f64,
+    node_gpus: Vec<u32>,
     queue: VecDeque<(Action, Vec<u64>)>,
     running: Option<Running>,
-    /// Batch tokens per TP degree of the last adopted plan (until one: the scheduler's
-    /// budget), which describe the running deployment to the next plan.
-    batch_tokens: BTreeMap<u32, u64>,
 }
 
 impl Reconfig {
-    pub fn new(options: ReplanOptions) -> Result<Self, SimError> {
-        for (name, v) in [
-            ("interval", options.interval_s),
-            ("window", options.window_s),
-        ] {
-            if !(v.is_finite() && v > 0.0) {
-                return Err(SimError::Cluster(format!(
-                    "replan {name} must be positive and finite, got {v}"
-                )));
-            }
-        }
+    pub fn new(options: SimReplanOptions) -> Result<Self, SimError> {
         if !(options.launch_s.is_finite() && options.launch_s >= 0.0) {
             return Err(SimError::Cluster(format!(
                 "launch time must be finite and non-negative, got {}",
@@ -73,17 +49,16 @@ impl Reconfig {
             )));
         }
         Ok(Self {
-            next_plan: options.interval_s,
-            options,
-            recent: VecDeque::new(),
+            replanner: Replanner::new(options.replan)?,
+            launch_s: options.launch_s,
+            node_gpus: options.node_gpus,
             queue: VecDeque::new(),
             running: None,
-            batch_tokens: BTreeMap::new(),
         })
     }
 
     pub fn record(&mut self, arrival: Arrival) {
-        self.recent.push_back(arrival);
+        self.replanner.record(arrival);
     }
 
     /// The next time this needs the loop: a plan due or a launch ready. A drain in progress
@@ -92,7 +67,7 @@ impl Reconfig {
         match &self.running {
             Some(Running::Launch { ready_at, .. }) => *ready_at,
             _ if self.busy() => f64::INFINITY,
-            _ => self.next_plan,
+            _ => self.replanner.next_plan(),
         }
     }
 
@@ -102,8 +77,7 @@ impl Reconfig {
 
     /// Moves the reconfiguration forward to `now`.
     pub fn advance(&mut self, sim: &mut Simulation<'_>, now: f64) -> Result<(), SimError> {
-        if !self.busy() && now >= self.next_plan {
-            self.next_plan = now + self.options.interval_s;
+        if !self.busy() && now >= self.replanner.next_plan() {
             self.replan(sim, now)?;
         }
         loop {
@@ -150,7 +124,7 @@ impl Reconfig {
                 let id = sim.instances.keys().max().map_or(0, |m| m + 1);
                 let id = id.max(sim.sched.instance_ids().iter().max().map_or(0, |m| m + 1));
                 Running::Launch {
-                    ready_at: now + self.options.launch_s,
+                    ready_at: now + self.launch_s,
                     spec: InstanceSpec::new(id, degree, gpus, node as u32),
                 }
             }
@@ -161,7 +135,7 @@ impl Reconfig {
                     .queue
                     .iter()
                     .any(|(a, _)| matches!(a, Action::Launch { .. }));
-                let handover = !others_serve && launch_follows;
+                let handover = Replanner::handover(others_serve, launch_follows);
                 if !handover {
                     sim.sched.drain_instance(id)?;
                 }
@@ -172,51 +146,37 @@ impl Reconfig {
     }
 
     fn replan(&mut self, sim: &mut Simulation<'_>, now: f64) -> Result<(), SimError> {
-        let start = now - self.options.window_s;
-        while self.recent.front().is_some_and(|a| a.time < start) {
-            self.recent.pop_front();
-        }
-        if self.recent.is_empty() {
-            return Ok(());
-        }
-        let arrivals: Vec<Arrival> = self.recent.iter().cloned().collect();
-        let mut running: Vec<&InstanceSpec> = sim.instances.values().map(|i| &i.spec).collect();
-        running.sort_by_key(|s| s.id);
-        let ids: Vec<u64> = running.iter().map(|s| s.id).collect();
-        let config: &PlannerConfig = &self.options.planner;
+        let running: Vec<RunningInstance> = sim
+            .instances
+            .values()
+            .map(|i| RunningInstance {
+                id: i.spec.id,
+                node: i.spec.node as usize,
+                degree: i.spec.tp,
+                gpus: i.spec.gpus.clone(),
+            })
+            .collect();
         let default_batch = sim.sched.config().max_batch_tokens;
-        let batch = |degree: u32| *self.batch_tokens.get(&degree).unwrap_or(&default_batch);
-        let current = Deployment {
-            instances: running
-                .iter()
-                .map(|s| Instance {
-                    node: s.node as usize,
-                    degree: s.tp,
-                    gpus: s.gpus.clone(),
-                })
-                .collect(),
-            batch_tokens: running.iter().map(|s| (s.tp, batch(s.tp))).collect(),
-        };
-        let inputs = PlannerInputs {
-            classes: classes_from_arrivals(&arrivals, start, now, &self.options.bins)?,
-            thresholds: self.options.thresholds.clone(),
-            node_gpus: self.options.node_gpus.clone(),
-            config: config.clone(),
-            current: Some(current),
+        let Some(asked) = self.replanner.inputs(
+            now,
+            None,
+            None,
+            &running,
+            &self.node_gpus,
+            default_batch,
+            sim.sched.profile(),
+        )?
+        else {
+            return Ok(());
         };
         let started = Instant::now();
-        let result = plan(&inputs, sim.sched.profile())?;
+        let result = plan(&asked.inputs, sim.sched.profile())?;
         sim.stats.plan_seconds += started.elapsed().as_secs_f64();
         sim.stats.replans += 1;
+        self.replanner.adopt(&result);
         if let (true, Some(transition)) = (result.adopted, result.transition) {
             sim.stats.plans_adopted += 1;
-            self.batch_tokens.extend(
-                result
-                    .capacity
-                    .degrees
-                    .iter()
-                    .filter_map(|d| Some((d.degree, d.batch_tokens?))),
-            );
+            let ids = asked.instance_ids;
             self.queue
                 .extend(transition.actions.into_iter().map(|a| (a, ids.clone())));
         }

@@ -1,5 +1,7 @@
 use super::*;
-use crate::planner::{BinSpec, PlannerConfig, SolverKind, ThresholdOption};
+use crate::planner::{
+    BinSpec, PlannerConfig, ReplanOptions, SloTarget, SolverKind, ThresholdOption,
+};
 use crate::profile::{LatencyProfile, StepKind};
 use crate::scheduler::{Policy, SchedulerConfig};
 
@@ -244,23 +246,26 @@ fn each_request_draws_from_its_own_class() {
 /// Replanning every 10 simulated seconds on one 4-GPU node (TP-1 or TP-2).
 fn replanning() -> SimOptions {
     SimOptions {
-        replan: Some(ReplanOptions {
-            interval_s: 10.0,
-            window_s: 10.0,
+        replan: Some(SimReplanOptions {
+            replan: ReplanOptions {
+                interval_s: 10.0,
+                window_s: 10.0,
+                planner: PlannerConfig {
+                    caching: true,
+                    solver: SolverKind::Microlp,
+                    ..PlannerConfig::new(3.0, vec![1, 2], vec![1024, 4096, 8192])
+                },
+                slo: SloTarget::Fixed { seconds: 3.0 },
+                thresholds: [(0.5, 12.0), (0.7, 6.0), (0.9, 3.0)]
+                    .map(|(threshold, tokens_per_step)| ThresholdOption {
+                        threshold,
+                        tokens_per_step,
+                    })
+                    .to_vec(),
+                bins: BinSpec::default(),
+            },
             launch_s: 1.0,
             node_gpus: vec![4],
-            planner: PlannerConfig {
-                caching: true,
-                solver: SolverKind::Microlp,
-                ..PlannerConfig::new(3.0, vec![1, 2], vec![1024, 4096, 8192])
-            },
-            thresholds: [(0.5, 12.0), (0.7, 6.0), (0.9, 3.0)]
-                .map(|(threshold, tokens_per_step)| ThresholdOption {
-                    threshold,
-                    tokens_per_step,
-                })
-                .to_vec(),
-            bins: BinSpec::default(),
         }),
         ..Default::default()
     }

@@ -1,0 +1,245 @@
+//! Periodic replanning (DESIGN §7), one implementation for the live engine and the
+//! simulator: when a plan is due, what the planner is asked (the window's arrivals as
+//! request classes, the running deployment described with each degree's batch size of the
+//! last adopted plan, the batch sizes and degrees it may choose), what an adopted plan
+//! changes here, and when a stop hands its requests over instead of draining. Solving and
+//! executing the plan's actions are the caller's: the engine launches and stops workers, the
+//! simulator advances simulated time.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use serde::{Deserialize, Serialize};
+
+use super::classes::{classes_from_arrivals, Arrival, BinSpec};
+use super::error::PlannerError;
+use super::inputs::{Deployment, Instance, PlannerConfig, PlannerInputs, ThresholdOption};
+use super::slo::mean_isolated_latency;
+use super::Plan;
+use crate::profile::LatencyProfile;
+
+/// The planner's SLO: a fixed number of seconds, or a multiple of the window's mean
+/// isolated latency (alone on TP-1 at the given tokens per step), as default SLOs are.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SloTarget {
+    Fixed { seconds: f64 },
+    Scaled { scale: f64, tokens_per_step: f64 },
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ReplanOptions {
+    /// Seconds between planner runs (the paper: 300).
+    pub interval_s: f64,
+    /// Arrivals of this many past seconds make the planner's request classes.
+    pub window_s: f64,
+    /// Degrees and candidate batch sizes the planner may choose, and its solver settings;
+    /// its `slo_seconds` is replaced by `slo` at each plan.
+    pub planner: PlannerConfig,
+    pub slo: SloTarget,
+    pub thresholds: Vec<ThresholdOption>,
+    #[serde(default)]
+    pub bins: BinSpec,
+}
+
+/// A running instance as the planner sees it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RunningInstance {
+    pub id: u64,
+    /// Index of its node in the `node_gpus` given with it.
+    pub node: usize,
+    pub degree: u32,
+    pub gpus: Vec<u32>,
+}
+
+/// What to ask the planner, and which instance each of its deployment entries is.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ReplanInputs {
+    pub inputs: PlannerInputs,
+    pub instance_ids: Vec<u64>,
+}
+
+pub struct Replanner {
+    options: ReplanOptions,
+    next_plan: f64,
+    recent: VecDeque<Arrival>,
+    /// Batch tokens per TP degree of the last adopted plan, which describe the running
+    /// deployment to the next plan (the plan's latencies assume them). They cap nothing:
+    /// capping instances at them cost 11 points of attainment on the simulated day trace.
+    batch_tokens: BTreeMap<u32, u64>,
+}
+
+impl Replanner {
+    pub fn new(options: ReplanOptions) -> Result<Self, PlannerError> {
+        for (name, value) in [
+            ("replan interval_s", options.interval_s),
+            ("replan window_s", options.window_s),
+        ] {
+            if !(value.is_finite() && value > 0.0) {
+                return Err(PlannerError::BadSetting {
+                    name,
+                    value,
+                    reason: "must be positive and finite",
+                });
+            }
+        }
+        Ok(Self {
+            next_plan: options.interval_s,
+            options,
+            recent: VecDeque::new(),
+            batch_tokens: BTreeMap::new(),
+        })
+    }
+
+    pub fn options(&self) -> &ReplanOptions {
+        &self.options
+    }
+
+    /// New options (rates learned while serving, say); the arrivals, the batch sizes of
+    /// the last adopted plan and the next plan's time stay.
+    pub fn set_options(&mut self, options: ReplanOptions) -> Result<(), PlannerError> {
+        let next_plan = self.next_plan;
+        let recent = std::mem::take(&mut self.recent);
+        let batch_tokens = std::mem::take(&mut self.batch_tokens);
+        *self = Self {
+            next_plan,
+            recent,
+            batch_tokens,
+            ..Self::new(options)?
+        };
+        Ok(())
+    }
+
+    /// Remembers an arrival; those older than the window are forgotten.
+    pub fn record(&mut self, arrival: Arrival) {
+        let horizon = arrival.time - self.options.window_s;
+        while self.recent.front().is_some_and(|a| a.time < horizon) {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(arrival);
+    }
+
+    /// When the next periodic plan is due.
+    pub fn next_plan(&self) -> f64 {
+        self.next_plan
+    }
+
+    /// Batch tokens the last adopted plan chose for `degree`, if one did.
+    pub fn planned_batch(&self, degree: u32) -> Option<u64> {
+        self.batch_tokens.get(&degree).copied()
+    }
+
+    /// The planner's inputs at `now` for the arrivals of the last `window_s` (the options'
+    /// by default), or `None` when there were none; the next periodic plan falls due an
+    /// interval later. `min_improvement` replaces the adoption margin (0 after a node
+    /// change: the running layout may no longer fit); `default_batch` describes a degree no
+    /// plan has sized yet.
+    #[allow(clippy::too_many_arguments)]
+    pub fn inputs(
+        &mut self,
+        now: f64,
+        window_s: Option<f64>,
+        min_improvement: Option<f64>,
+        running: &[RunningInstance],
+        node_gpus: &[u32],
+        default_batch: u64,
+        profile: &LatencyProfile,
+    ) -> Result<Option<ReplanInputs>, PlannerError> {
+        self.next_plan = now + self.options.interval_s;
+        let start = now - window_s.unwrap_or(self.options.window_s);
+        let arrivals: Vec<Arrival> = self
+            .recent
+            .iter()
+            .filter(|a| a.time >= start && a.time <= now)
+            .cloned()
+            .collect();
+        if arrivals.is_empty() || node_gpus.is_empty() {
+            return Ok(None);
+        }
+        let mut running: Vec<&RunningInstance> = running.iter().collect();
+        running.sort_by_key(|r| r.id);
+        let batch = |degree: u32| *self.batch_tokens.get(&degree).unwrap_or(&default_batch);
+        let current = Deployment {
+            instances: running
+                .iter()
+                .map(|r| Instance {
+                    node: r.node,
+                    degree: r.degree,
+                    gpus: r.gpus.clone(),
+                })
+                .collect(),
+            batch_tokens: running
+                .iter()
+                .map(|r| (r.degree, batch(r.degree)))
+                .collect(),
+        };
+        let mut config = self.options.planner.clone();
+        if let Some(share) = min_improvement {
+            config.min_improvement = share;
+        }
+        let widest = node_gpus.iter().copied().max().unwrap_or(1);
+        config.degrees.retain(|&d| d <= widest);
+        if config.degrees.is_empty() {
+            config.degrees.push(1);
+        }
+        let sizes: BTreeSet<u64> = config
+            .batch_tokens
+            .iter()
+            .copied()
+            .chain([default_batch])
+            .chain(current.batch_tokens.values().copied())
+            .collect();
+        config.batch_tokens = sizes.into_iter().collect();
+        config.slo_seconds = match self.options.slo {
+            SloTarget::Fixed { seconds } => seconds,
+            SloTarget::Scaled {
+                scale,
+                tokens_per_step,
+            } => {
+                let top = ThresholdOption {
+                    threshold: 1.0,
+                    tokens_per_step,
+                };
+                scale
+                    * mean_isolated_latency(
+                        profile,
+                        &arrivals,
+                        top,
+                        config.caching,
+                        config.block_length,
+                    )?
+            }
+        };
+        let inputs = PlannerInputs {
+            classes: classes_from_arrivals(&arrivals, start, now, &self.options.bins)?,
+            thresholds: self.options.thresholds.clone(),
+            node_gpus: node_gpus.to_vec(),
+            config,
+            current: Some(current),
+        };
+        Ok(Some(ReplanInputs {
+            inputs,
+            instance_ids: running.iter().map(|r| r.id).collect(),
+        }))
+    }
+
+    /// Takes note of a plan's verdict: an adopted plan's batch sizes describe the running
+    /// deployment from now on.
+    pub fn adopt(&mut self, plan: &Plan) {
+        if plan.adopted {
+            self.batch_tokens.extend(
+                plan.capacity
+                    .degrees
+                    .iter()
+                    .filter_map(|d| Some((d.degree, d.batch_tokens?))),
+            );
+        }
+    }
+
+    /// Whether a planned stop hands its requests over (they wait, holding only the
+    /// engine's copy of their state, and resume on the next launch with a recompute step)
+    /// instead of draining: only the last instance serving, when a launch follows, whose
+    /// devices the launch may need.
+    pub fn handover(others_serving: bool, launch_follows: bool) -> bool {
+        !others_serving && launch_follows
+    }
+}
