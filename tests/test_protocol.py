@@ -67,14 +67,6 @@ def test_fixed_schedule_splits_each_block_into_equal_shares():
         RequestState.new(1, [1], 8, block_length=8, mask_token_id=M, temperature=-1.0)
 
 
-def test_default_step_kind_follows_cache_mode_and_block_steps():
-    s = RequestState.new(1, [1], 8, block_length=4, mask_token_id=M)
-    assert s.default_step_kind(CacheMode.NONE) is StepKind.NO_CACHE
-    assert s.default_step_kind(CacheMode.DUAL) is StepKind.RECOMPUTE
-    s.block_steps = 2
-    assert s.default_step_kind(CacheMode.PREFIX) is StepKind.CACHE
-
-
 def test_apply_advances_the_engine_copy_like_the_worker():
     s = RequestState.new(1, [1], 8, block_length=4, mask_token_id=M)
     out = StepOutput(1, StepKind.RECOMPUTE, 0, [0, 2], [5, 6], (0.1,) * 5, 6, False)

@@ -278,13 +278,6 @@ class RequestState:
         stop = self.stop_position
         return stop is not None and stop < first_mask
 
-    def default_step_kind(self, cache: CacheMode) -> StepKind:
-        """The kind of the next step when the request stays where its cache is: the first
-        step of a block recomputes, later ones read the cache."""
-        if cache is CacheMode.NONE:
-            return StepKind.NO_CACHE
-        return StepKind.RECOMPUTE if self.block_steps == 0 else StepKind.CACHE
-
     def generated_ids(self) -> list[int]:
         """Output tokens, cut before the first stop token."""
         stop = self.stop_position

@@ -203,13 +203,14 @@ class StepRunner:
         return self._get(request_id).state.copy()
 
     def next_kind(self, request_id: int) -> StepKind:
-        """The step kind that continues a resident request here: a cache step only while
-        this runner holds the K/V of its current block."""
+        """The step kind that continues a resident request here, for callers that drive the
+        runner without the scheduler (offline decoding, profiling): a cache step exactly
+        while this runner holds K/V of the current block (`cache_valid`, which a finished
+        block invalidates); the scheduler decides the same from its own count."""
         held = self._get(request_id)
-        kind = held.state.default_step_kind(self.cache_mode)
-        if kind is StepKind.CACHE and not held.cache_valid:
-            return StepKind.RECOMPUTE
-        return kind
+        if self.cache_mode is CacheMode.NONE:
+            return StepKind.NO_CACHE
+        return StepKind.CACHE if held.cache_valid else StepKind.RECOMPUTE
 
     def export(self, request_id: int) -> RequestState:
         """Removes a request for migration; refused while its next step would read K/V held
