@@ -19,12 +19,9 @@ import time
 from pathlib import Path
 
 from dilaserve.bench.report import plot
-from dilaserve.planner import FAST_DLLM_THRESHOLDS
-from dilaserve.predictor import progress as progress_model
-from dilaserve.profiles import SIMULATED_LLADA8B
+from dilaserve.profiles import SIMULATED_LLADA8B, llada8b_progress
 from dilaserve.scheduler import LatencyProfile
 from dilaserve.sim import ClusterSetup, Workload, simulate
-from dilaserve.tiny import default_model_dir
 from dilaserve.traces import AZURE_CONV, read_trace
 
 BASELINES = ("infaas", "llumnix")
@@ -37,11 +34,9 @@ def emit(name: str, value: float, unit: str, baseline: str, **extra: object) -> 
 
 
 def llada8b_setup(nodes: int, gpus: int, **overrides: object) -> ClusterSetup:
-    tiny = progress_model.load(default_model_dir() / "progress.json")
-    rates = [(t.threshold, t.tokens_per_step) for t in FAST_DLLM_THRESHOLDS] + [(1.0, 1.0)]
     return ClusterSetup(
         profile=LatencyProfile.load(str(SIMULATED_LLADA8B)),
-        progress=progress_model.rescaled(tiny, rates),
+        progress=llada8b_progress(),
         node_gpus=(gpus,) * nodes,
         layout=(1,) * (nodes * gpus),
         **overrides,

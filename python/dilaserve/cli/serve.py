@@ -20,6 +20,7 @@ import torch
 from dilaserve.cli.common import default_dtype
 from dilaserve.engine import Engine, EngineConfig, Launcher, LocalLauncher
 from dilaserve.engine.config import ENGINE_SCHEDULER_SETTINGS
+from dilaserve.engine.emulation import EmulatedLauncher
 from dilaserve.protocol import CacheMode
 from dilaserve.scheduler import POLICY_SETTINGS, PRESETS, Policy
 from dilaserve.server import ServerSettings, bind, serve
@@ -45,6 +46,8 @@ DEFAULTS = {
     "max_requests_per_instance": 64,
     "kv_cache_memory": None,
     "profile": None,
+    "emulate": False,
+    "progress": None,
     "replan_interval": None,
     "dtype": None,
     "device": None,
@@ -102,6 +105,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--profile", help="latency profile JSON (default: measured at start-up)")
     p.add_argument("--replan-interval", type=float, help="seconds between cluster re-plans")
+    p.add_argument(
+        "--emulate",
+        action="store_true",
+        help="emulated workers, no model: each step takes --profile's time (default: the "
+        "shipped LLaDA-8B/H100 profile) and commits tokens drawn from --progress; the "
+        "rest of the server runs unchanged (default instances: 8x1)",
+    )
+    p.add_argument(
+        "--progress",
+        help="progress model JSON of emulated workers (default: LLaDA-8B's, as the "
+        "simulator's)",
+    )
     p.add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"], help="bfloat16 on CUDA, else float32"
     )
@@ -199,9 +214,12 @@ def scheduler_settings(values: dict) -> dict:
 
 
 def engine_config(values: dict) -> EngineConfig:
-    device = values["device"] or ("cuda" if torch.cuda.is_available() else "cpu")
+    emulate = bool(values["emulate"])
+    device = values["device"] or ("cuda" if torch.cuda.is_available() and not emulate else "cpu")
     if values["instances"]:
         instances = parse_instances(values["instances"])
+    elif emulate:
+        instances = (1,) * 8
     elif values["launcher"] == "ray":
         raise ValueError("--launcher ray needs --instances (this machine's devices say nothing)")
     elif device == "cuda":
@@ -220,15 +238,22 @@ def engine_config(values: dict) -> EngineConfig:
         max_requests_per_instance=values["max_requests_per_instance"],
         kv_cache_memory=kv_memory(values["kv_cache_memory"]),
         profile=values["profile"],
+        emulate=emulate,
+        progress=values["progress"],
         replan_interval_s=values["replan_interval"],
         **scheduler_settings(values),
     )
 
 
 def launcher_from(values: dict, config: EngineConfig) -> Launcher:
-    """The local launcher, or a `RayLauncher` (Ray is imported only then)."""
+    """The local launcher (emulated instances with `--emulate`), or a `RayLauncher` (Ray is
+    imported only then)."""
     if values["launcher"] == "local":
+        if config.emulate:
+            return EmulatedLauncher(config.profile, config.progress)
         return LocalLauncher()
+    if config.emulate:
+        raise ValueError("--emulate runs its instances on this machine: use --launcher local")
     if values["launcher"] != "ray":
         raise ValueError(f"launcher must be local or ray, got {values['launcher']!r}")
     try:

@@ -45,8 +45,14 @@ class _EngineSettings:
     predictor_rates: tuple[tuple[float, float], ...] | None = None
     #: A request's default SLO is this many times its estimated latency alone on TP-1.
     slo_scale: float = 5.0
-    #: Latency profile JSON; None measures one with `dilaserve profile` (cached per model).
+    #: Latency profile JSON; None measures one with `dilaserve profile` (cached per model),
+    #: or, emulating, takes the shipped LLaDA-8B/H100 one.
     profile: str | Path | None = None
+    #: Emulated workers (`dilaserve.worker.emulated`): no model, each step takes the
+    #: profile's time and commits tokens drawn from `progress`.
+    emulate: bool = False
+    #: Progress model JSON of emulated workers; None: LLaDA-8B's (`llada8b_progress`).
+    progress: str | Path | None = None
     #: Output positions of a request that does not say.
     default_max_tokens: int = 64
     stop_at_eos: bool = True

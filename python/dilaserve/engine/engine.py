@@ -43,6 +43,7 @@ from dilaserve.tiny import default_model_dir
 from .admission import RequestBuilder, threshold_options
 from .config import EngineConfig, GenerationParams
 from .degrees import ModelDegrees
+from .emulation import EmulatedLauncher, emulated_config
 from .errors import (
     BadRequestError,
     EngineError,
@@ -77,6 +78,8 @@ class Engine:
 
     def __init__(self, config: EngineConfig | None = None, launcher: Launcher | None = None):
         self.config = config or EngineConfig()
+        if launcher is None and self.config.emulate:
+            launcher = EmulatedLauncher(self.config.profile, self.config.progress)
         self.launcher = launcher or LocalLauncher()
         self.model_dir = str(self.config.model or default_model_dir())
         self.instances: dict[int, InstanceRecord] = {}
@@ -109,6 +112,8 @@ class Engine:
     async def start(self) -> None:
         """Loads the tokenizer and latency profile, starts every instance, waits until all
         are ready."""
+        if self.config.emulate:
+            self.config = emulated_config(self.config)
         served = predictor_for(self.model_dir, self.config.predictor_rates)
         c = self.config = dataclasses.replace(
             self.config,

@@ -4,6 +4,8 @@
 //! Python.
 
 use pyo3::create_exception;
+use rand::rngs::SmallRng;
+use rand::SeedableRng;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -27,6 +29,38 @@ fn to_py(e: SimError) -> PyErr {
         SimError::Scheduler(s) => s.into(),
         SimError::Planner(p) => planner_error(p),
         other => SimInputError::new_err(other.to_string()),
+    }
+}
+
+/// Draws step commit counts from a progress model, as the simulator's workers do: what an
+/// emulated worker commits per request of a step.
+#[pyclass(name = "ProgressSampler", module = "dilaserve._core")]
+pub struct PyProgressSampler {
+    model: ProgressModel,
+    rng: SmallRng,
+}
+
+#[pymethods]
+impl PyProgressSampler {
+    #[new]
+    fn new(progress_json: &str, seed: u64) -> PyResult<Self> {
+        Ok(Self {
+            model: ProgressModel::from_json(progress_json).map_err(to_py)?,
+            rng: SmallRng::seed_from_u64(seed),
+        })
+    }
+
+    /// Tokens each step commits: one per `(tau, unmasked in block, block length)`.
+    fn sample(&mut self, steps: Vec<(f64, u32, u32)>) -> Vec<u32> {
+        steps
+            .into_iter()
+            .map(|(tau, unmasked, block)| self.model.sample(tau, unmasked, block, &mut self.rng))
+            .collect()
+    }
+
+    /// Mean tokens per step at each recorded threshold.
+    fn mean_rates(&self) -> Vec<(f64, f64)> {
+        self.model.mean_rates()
     }
 }
 
@@ -153,6 +187,7 @@ fn simulate<'py>(
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(simulate, m)?)?;
     m.add_function(wrap_pyfunction!(check_progress_json, m)?)?;
+    m.add_class::<PyProgressSampler>()?;
     m.add("SimInputError", m.py().get_type::<SimInputError>())?;
     Ok(())
 }
