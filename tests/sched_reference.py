@@ -462,6 +462,8 @@ class ReferenceScheduler:
         self.instances: list[Instance] = []
         self.instance_slot: dict[int, int] = {}
         self.groups: list[DegreeCosts] = []
+        # Measured / predicted step time, pooled over each degree group's instances.
+        self.group_factors: list[float] = []
         self.next_seq = 0
         self.queued = 0
         self.overloaded = False
@@ -510,6 +512,7 @@ class ReferenceScheduler:
         group = next((g for g, c in enumerate(self.groups) if c.tp == tp), None)
         if group is None:
             self.groups.append(DegreeCosts(self.profile, tp, self.caching, self.max_batch))
+            self.group_factors.append(1.0)
             group = len(self.groups) - 1
         self.instance_slot[instance_id] = len(self.instances)
         budget = self.max_batch if max_batch_tokens is None else max_batch_tokens
@@ -568,7 +571,9 @@ class ReferenceScheduler:
         inst = self.instances[self.instance_slot[instance_id]]
         if inst.predicted_s > 0.0:
             ratio = min(max(measured_s / inst.predicted_s, 1.0 / FACTOR_CLAMP), FACTOR_CLAMP)
-            inst.factor = (1.0 - FACTOR_WEIGHT) * inst.factor + FACTOR_WEIGHT * ratio
+            pooled = self.group_factors[inst.group]
+            self.group_factors[inst.group] = (1.0 - FACTOR_WEIGHT) * pooled + FACTOR_WEIGHT * ratio
+        inst.factor = self.group_factors[inst.group]
         finished = []
         for res in sorted(results, key=lambda x: x[0]):
             if res[0] in inst.cancelled:
@@ -634,6 +639,8 @@ class ReferenceScheduler:
         if self.load_control and ordered:
             self.overloaded = self._control_load(ordered)
         out = Decisions(overloaded=self.overloaded)
+        for inst in self.instances:
+            inst.factor = self.group_factors[inst.group]
         assigned = self._place(now, ordered, out)
         self._emit(now, assigned, out)
         return out

@@ -4,6 +4,7 @@ reused ids, admission, and the per-step and per-request records it gets back."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -331,3 +332,31 @@ def test_each_batch_releases_what_left_its_instance(profile: LatencyProfile) -> 
     s.arrive(4, arrival=0.3, deadline=100.0, prompt_len=16, output_len=64)
     batch = s.schedule(0.3).batch_for(1)
     assert ids(batch) == [4] and batch.release == [3]
+
+
+def test_one_slow_step_does_not_starve_an_instance_of_work() -> None:
+    """With a flat profile (steps barely longer for a bigger batch), one slow step used to
+    leave its instance looking slow for good: it got no work, so nothing corrected it, and
+    the others took its share. The step-time factor is pooled per degree group."""
+    pts = [(n, 0.004 + 1.5e-6 * n) for n in (32, 256, 2048, 16384)]
+    flat = LatencyProfile.from_tables([(1, kind, pts) for kind in ("recompute", "cache")])
+    s = Scheduler(flat)
+    for i in range(4):
+        s.add_instance(i, tp=1, gpus=[i])
+    next_id = itertools.count()
+    for _ in range(8):
+        s.arrive(next(next_id), arrival=0.0, deadline=1e6, prompt_len=16, output_len=64)
+    now, running, steps = 0.0, {}, [0] * 4
+    while sum(steps) < 2000:
+        for b in s.schedule(now).batches:
+            slow = 4.0 if sum(steps) == 0 else 1.0  # the very first step is slow
+            running[b.instance] = (now + slow * (b.predicted_finish - now), now, b)
+            steps[b.instance] += 1
+        instance = min(running, key=lambda i: running[i][0])
+        end, started, batch = running.pop(instance)
+        now = end
+        results = [StepResult(e.request, 8) for e in batch.entries]
+        for _ in s.step_done(instance, end - started, results):
+            s.arrive(next(next_id), arrival=now, deadline=now + 1e6, prompt_len=16, output_len=64)
+    mean = sum(steps) / 4
+    assert all(mean / 2 <= n <= 2 * mean for n in steps), steps

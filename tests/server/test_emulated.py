@@ -9,6 +9,8 @@ import urllib.request
 
 import openai
 
+from dilaserve.engine import Engine, EngineConfig, GenerationParams
+from dilaserve.scheduler import LatencyProfile
 from dilaserve.tiny.tasks import make_problems
 
 
@@ -35,3 +37,28 @@ def test_an_emulated_64_instance_cluster_serves_a_burst_over_http(start_server):
     assert len(instances) == 64 and all(i["state"] == "serving" for i in instances)
     assert sum(i["steps_run"] > 0 for i in instances) >= 32, "the burst spread over the cluster"
     assert cluster["active_requests"] == 0
+
+
+def test_a_flat_profile_spreads_steps_over_emulated_instances(tmp_path):
+    """Steps barely longer for a bigger batch (a GPU at small batches): closed-loop clients
+    keep every instance working, each within 2x of the mean number of steps."""
+    pts = [(n, 0.004 + 1.5e-6 * n) for n in (32, 256, 2048, 16384)]
+    profile = tmp_path / "flat.json"
+    flat = LatencyProfile.from_tables([(1, kind, pts) for kind in ("recompute", "cache")])
+    profile.write_text(flat.to_json())
+    config = EngineConfig(emulate=True, instances=(1,) * 4, profile=profile)
+    prompt = make_problems(1, 4_004)[0].prompt
+
+    async def run() -> list[int]:
+        async with Engine(config) as engine:
+
+            async def client() -> None:
+                for _ in range(25):
+                    await engine.complete(prompt, GenerationParams(max_tokens=128))
+
+            await asyncio.gather(*(client() for _ in range(8)))
+            return [i.steps_run for i in engine.status().instances]
+
+    steps = asyncio.run(run())
+    mean = sum(steps) / len(steps)
+    assert all(mean / 2 <= n <= 2 * mean for n in steps), steps

@@ -4,11 +4,11 @@
 //! Python.
 
 use pyo3::create_exception;
-use rand::rngs::SmallRng;
-use rand::SeedableRng;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
+use rand::rngs::SmallRng;
+use rand::SeedableRng;
 
 use super::planner::to_py as planner_error;
 use super::scheduler::PyScheduler;

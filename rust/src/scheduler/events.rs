@@ -202,7 +202,7 @@ impl Scheduler {
         let inst_slot = self.instances.slot_of(instance)?;
         self.check_report(inst_slot, measured_s, results)?;
         let inst = &mut self.instances.slots[inst_slot as usize];
-        inst.observe_step(measured_s);
+        inst.observe_step(measured_s, &mut self.group_factors[inst.group]);
         inst.inflight.clear();
         inst.cancelled.clear();
         inst.busy = false;

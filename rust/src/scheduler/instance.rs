@@ -74,7 +74,8 @@ pub(crate) struct Instance {
     /// Requests whose state (and cache) this instance holds, and their sequence tokens.
     pub residents: u32,
     pub resident_tokens: u64,
-    /// Exponential average of measured / predicted step time.
+    /// Exponential average of measured / predicted step time over its degree group's
+    /// steps (see [`Instance::observe_step`]).
     pub factor: f64,
     pub steps_run: u64,
     pub last_step_s: f64,
@@ -88,12 +89,19 @@ impl Instance {
         self.started_at + self.predicted_s * self.factor
     }
 
-    /// Folds one measured step time into the correction factor.
-    pub fn observe_step(&mut self, measured_s: f64) {
+    /// Folds one measured step time into `pooled`, the correction factor this instance
+    /// shares with the others of its degree group, and takes it.
+    ///
+    /// *(ours)* The factor is pooled: a factor of its own went stale on an instance that
+    /// stopped getting work after one slow step (a busy host, say) — it then looked slower
+    /// than the rest forever, got no work to correct it, and the others took its share (at
+    /// 4 emulated instances one ran 916 steps and another 10).
+    pub fn observe_step(&mut self, measured_s: f64, pooled: &mut f64) {
         if self.predicted_s > 0.0 {
             let ratio = (measured_s / self.predicted_s).clamp(1.0 / FACTOR_CLAMP, FACTOR_CLAMP);
-            self.factor = (1.0 - FACTOR_WEIGHT) * self.factor + FACTOR_WEIGHT * ratio;
+            *pooled = (1.0 - FACTOR_WEIGHT) * *pooled + FACTOR_WEIGHT * ratio;
         }
+        self.factor = *pooled;
         self.last_step_s = measured_s;
         self.steps_run += 1;
     }
@@ -319,9 +327,10 @@ mod tests {
         t.insert(spec(1, 1, vec![0]), 0, 100);
         let inst = &mut t.slots[0];
         inst.predicted_s = 0.1;
-        inst.observe_step(0.2);
-        assert!((inst.factor - 1.2).abs() < 1e-12);
-        inst.observe_step(100.0);
+        let mut pooled = 1.0;
+        inst.observe_step(0.2, &mut pooled);
+        assert!((inst.factor - 1.2).abs() < 1e-12 && pooled == inst.factor);
+        inst.observe_step(100.0, &mut pooled);
         assert!((inst.factor - (0.8 * 1.2 + 0.2 * 4.0)).abs() < 1e-12);
         assert_eq!(inst.steps_run, 2);
     }

@@ -23,6 +23,7 @@ impl Scheduler {
                     self.config.max_batch_tokens,
                 )?;
                 self.groups.push(costs);
+                self.group_factors.push(1.0);
                 self.groups.len() - 1
             }
         };

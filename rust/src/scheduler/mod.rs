@@ -139,6 +139,8 @@ pub struct Scheduler {
     instances: InstanceTable,
     /// Step costs per TP degree in use; instances refer to them by index.
     groups: Vec<DegreeCosts>,
+    /// Measured / predicted step time per degree group (see `Instance::observe_step`).
+    group_factors: Vec<f64>,
     scratch: RoundScratch,
     decisions: Decisions,
     /// The instance held for a request no instance had room for.
@@ -177,6 +179,7 @@ impl Scheduler {
             predictor,
             instances: InstanceTable::default(),
             groups: Vec::new(),
+            group_factors: Vec::new(),
             scratch: RoundScratch::default(),
             decisions: Decisions::default(),
             reservation: None,

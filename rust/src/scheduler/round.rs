@@ -115,6 +115,9 @@ impl Scheduler {
             self.overloaded = self.control_load(now);
         }
         self.decisions.overloaded = self.overloaded;
+        for inst in &mut self.instances.slots {
+            inst.factor = self.group_factors[inst.group];
+        }
         self.place(now);
         self.emit_batches(now);
         self.decisions.elapsed_s = start.elapsed().as_secs_f64();
