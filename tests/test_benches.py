@@ -19,6 +19,13 @@ BENCHES = ROOT / "benches"
 #: Each bench script and lines its quick mode must print.
 LINES = {
     "engine.py": ["step_rtt_ms", "migration_ms", "engine_overhead_frac_2inst"],
+    "engine_scale.py": [
+        "engine_idle_share_1inst",
+        "engine_idle_share_64inst_16ms",
+        "engine_core_us_per_step",
+        "http_idle_share_16inst",
+        "worker_host_ms_per_step_b64",
+    ],
     "gpu_check.py": [],  # without CUDA it prints one line saying so
     "live.py": ["live_light_attainment_gap_pp"],
     "planner.py": ["plan_ms_16gpu", "ratio_highs_vs_pulp_16gpu"],

@@ -1,0 +1,249 @@
+"""Does the engine keep a GPU-speed cluster busy? Emulated workers (no model: each step
+sleeps the profile's time) driven by the real engine under closed-loop load, ~16 requests
+per instance, a step costing 4 ms + 0.05 ms per request unless a line says otherwise.
+
+Lines (JSON):
+- `engine_idle_share_1inst`, `engine_idle_share_16inst`, `engine_idle_share_64inst_16ms`:
+  1 − Σ worker busy time / (instances × wall), the load sent straight to `Engine`;
+- `engine_core_us_per_step`: CPU time of the engine's process per step at 64 instances (the
+  closed-loop clients share that process: an upper bound of the engine's own time);
+- `http_idle_share_16inst`: the 16-instance load sent through the HTTP server by a separate
+  load-generator process;
+- `worker_host_ms_per_step_b1`, `worker_host_ms_per_step_b64`: a real worker's time per step
+  outside the model's forward (packing, commit, host reads), tiny model, dual cache.
+
+The machine's cores are split: the engine (and the direct clients) on core 0, the emulated
+workers and the HTTP load generator on the others (where the machine has them).
+`python benches/engine_scale.py [--seconds S] [--quick]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from dilaserve.engine import Engine, EngineConfig, GenerationParams
+from dilaserve.engine.emulation import EmulatedLauncher
+from dilaserve.scheduler import LatencyProfile
+from dilaserve.server import ServerSettings, bind, serve
+from dilaserve.tiny.tasks import make_problems
+
+REQUESTS_PER_INSTANCE = 16
+PROMPT = make_problems(1, 11)[0].prompt
+MAX_TOKENS = 128
+BLOCK = 32
+
+
+def emit(name: str, value: float, unit: str, **extra: object) -> None:
+    print(json.dumps({"name": name, "value": round(value, 4), "unit": unit, **extra}), flush=True)
+
+
+def profile_file(step_ms: float, per_request_ms: float, directory: str) -> str:
+    """A flat profile: `step_ms` a step plus `per_request_ms` per request of the batch
+    (per token: a cache step feeds a block, a full step the whole sequence)."""
+    seq = 64 + MAX_TOKENS  # the bench's requests are shorter than this
+    tables = []
+    for kind, tokens_per_request in (("recompute", seq), ("no_cache", seq), ("cache", BLOCK)):
+        per_token = per_request_ms / 1000 / tokens_per_request
+        points = [(n, step_ms / 1000 + per_token * n) for n in (32, 256, 2048, 16384, 65536)]
+        tables.append((1, kind, points))
+    path = Path(directory, f"flat_{step_ms}ms.json")
+    path.write_text(LatencyProfile.from_tables(tables).to_json())
+    return str(path)
+
+
+def pin(pid: int, cores: set[int]) -> None:
+    if hasattr(os, "sched_setaffinity") and cores:
+        os.sched_setaffinity(pid, cores)
+
+
+def split_cores() -> tuple[set[int], set[int]]:
+    """(engine's cores, everyone else's)."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+    return {cores[0]}, set(cores[1:]) or {cores[0]}
+
+
+async def start_engine(instances: int, profile: str) -> Engine:
+    config = EngineConfig(
+        emulate=True, instances=(1,) * instances, profile=profile, max_requests_per_instance=64
+    )
+    engine = Engine(config, EmulatedLauncher(profile, hosts=max(1, (os.cpu_count() or 2) - 1)))
+    await engine.start()
+    _, others = split_cores()
+    for host in engine.launcher._hosts:
+        pin(host.process.pid, others)
+    return engine
+
+
+def idle_share(engine: Engine, before: dict, wall: float, instances: int) -> float:
+    busy = engine.step_times.worker_s - before["worker_s"]
+    return 1.0 - busy / (instances * wall)
+
+
+async def direct(instances: int, profile: str, seconds: float) -> tuple[float, float, int]:
+    """Idle share, engine-process CPU µs per step and steps, clients on the engine's loop."""
+    engine = await start_engine(instances, profile)
+    try:
+        params = GenerationParams(max_tokens=MAX_TOKENS)
+        stop = time.monotonic() + seconds + 1.0
+
+        async def client() -> None:
+            while time.monotonic() < stop:
+                await engine.complete(PROMPT, params)
+
+        clients = [
+            asyncio.ensure_future(client()) for _ in range(REQUESTS_PER_INSTANCE * instances)
+        ]
+        await asyncio.sleep(1.0)  # warm up
+        before = dict(vars(engine.step_times))
+        cpu, wall = time.process_time(), time.monotonic()
+        await asyncio.sleep(seconds)
+        cpu, wall = time.process_time() - cpu, time.monotonic() - wall
+        steps = engine.step_times.steps - before["steps"]
+        share = idle_share(engine, before, wall, instances)
+        await asyncio.gather(*clients)
+        return share, 1e6 * cpu / max(steps, 1), steps
+    finally:
+        await engine.shutdown()
+
+
+LOADGEN = """
+import asyncio, sys, time, aiohttp
+url, clients, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+body = {"prompt": sys.argv[4], "max_tokens": int(sys.argv[5])}
+async def main():
+    stop = time.monotonic() + seconds
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        async def client():
+            while time.monotonic() < stop:
+                async with s.post(url + "/v1/completions", json=body) as r:
+                    await r.read()
+        await asyncio.gather(*(client() for _ in range(clients)))
+asyncio.run(main())
+"""
+
+
+async def over_http(instances: int, profile: str, seconds: float) -> float:
+    engine = await start_engine(instances, profile)
+    sock = bind("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    started, stopping = asyncio.Event(), asyncio.Event()
+    server = asyncio.ensure_future(
+        serve(engine, ServerSettings("dilaserve-tiny"), sock, started=started, stop=stopping)
+    )
+    await started.wait()
+    _, others = split_cores()
+    load = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            LOADGEN,
+            url,
+            str(REQUESTS_PER_INSTANCE * instances),
+            str(seconds + 1.0),
+            PROMPT,
+            str(MAX_TOKENS),
+        ]
+    )
+    pin(load.pid, others)
+    await asyncio.sleep(1.0)
+    before = dict(vars(engine.step_times))
+    wall = time.monotonic()
+    await asyncio.sleep(seconds)
+    share = idle_share(engine, before, time.monotonic() - wall, instances)
+    await asyncio.to_thread(load.wait)
+    stopping.set()
+    await server
+    return share
+
+
+def worker_host_ms(batch: int, steps: int) -> float:
+    """A real worker's time per step outside the model's forward (tiny model, dual cache)."""
+    import torch
+
+    from dilaserve.models import encode_prompt, load_model, load_tokenizer
+    from dilaserve.protocol import RequestState, StepEntry
+    from dilaserve.tiny import default_model_dir
+    from dilaserve.worker import runner as runner_module
+    from dilaserve.worker.runner import StepRunner
+
+    torch.set_num_threads(1)
+    model_dir = default_model_dir()
+    model = load_model(model_dir)
+    tokenizer = load_tokenizer(model_dir)
+    runner = StepRunner(model, cache="dual", max_requests=batch)
+    forward = runner_module.forward_logits
+    spent = [0.0]
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        out = forward(*args, **kwargs)
+        spent[0] += time.perf_counter() - start
+        return out
+
+    runner_module.forward_logits = timed
+    try:
+        ids = encode_prompt(tokenizer, PROMPT)
+        mask = model.config.mask_token_id
+        total = 0.0
+        measured = 0
+        rid = 0
+        while measured < steps:
+            live = []
+            for _ in range(batch):
+                rid += 1
+                runner.add(
+                    RequestState.new(rid, ids, MAX_TOKENS, block_length=BLOCK, mask_token_id=mask)
+                )
+                live.append(rid)
+            while live and measured < steps:
+                entries = [StepEntry(r, 0.9, runner.next_kind(r)) for r in live]
+                spent[0] = 0.0
+                start = time.perf_counter()
+                report = runner.step(entries)
+                total += time.perf_counter() - start - spent[0]
+                measured += 1
+                done = {o.request_id for o in report.outputs if o.done}
+                live = [r for r in live if r not in done]
+            for r in live:
+                runner.release(r)
+        return 1000 * total / measured
+    finally:
+        runner_module.forward_logits = forward
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--seconds", type=float, default=6.0)
+    parser.add_argument("--quick", action="store_true", help="1 s per line, fewer instances")
+    args = parser.parse_args()
+    seconds = 1.0 if args.quick else args.seconds
+    engine_cores, _ = split_cores()
+    pin(0, engine_cores)
+    with tempfile.TemporaryDirectory() as directory:
+        fast = profile_file(4.0, 0.05, directory)
+        slow = profile_file(16.0, 0.05, directory)
+        scale = {"1inst": (1, fast), "16inst": (4 if args.quick else 16, fast)}
+        scale["64inst_16ms"] = (8 if args.quick else 64, slow)
+        for name, (instances, profile) in scale.items():
+            share, us, steps = asyncio.run(direct(instances, profile, seconds))
+            emit(f"engine_idle_share_{name}", share, "share", instances=instances, steps=steps)
+            if name == "64inst_16ms":
+                emit("engine_core_us_per_step", us, "us", instances=instances, steps=steps)
+        instances = 4 if args.quick else 16
+        share = asyncio.run(over_http(instances, fast, seconds))
+        emit("http_idle_share_16inst", share, "share", instances=instances)
+    for batch in (1, 64):
+        ms = worker_host_ms(batch, 20 if args.quick else 200)
+        emit(f"worker_host_ms_per_step_b{batch}", ms, "ms", batch=batch)
+
+
+if __name__ == "__main__":
+    main()
