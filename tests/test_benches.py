@@ -19,6 +19,11 @@ BENCHES = ROOT / "benches"
 #: Each bench script and lines its quick mode must print.
 LINES = {
     "engine.py": ["step_rtt_ms", "migration_ms", "engine_overhead_frac_2inst"],
+    "live_emulated.py": [
+        "live16_vs_sim_attainment_abs_diff_pp",
+        "live16_attainment_gain_pp_vs_infaas",
+        "live16_attainment_gain_pp_vs_llumnix",
+    ],
     "engine_scale.py": [
         "engine_idle_share_1inst",
         "engine_idle_share_64inst_16ms",

@@ -19,6 +19,7 @@ import logging
 import os
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from dilaserve.predictor import progress as progress_model
@@ -105,13 +106,22 @@ class EmulatedLauncher(Launcher):
         progress: str | Path | None = None,
         hosts: int | None = None,
         seed: int = 0,
+        nodes: Sequence[int] | None = None,
     ) -> None:
+        """`nodes`: device slots of each emulated node (None: one node of the engine's
+        slots), which the planner and initial placement see as a cluster's."""
         self.profile = str(profile or SIMULATED_LLADA8B)
+        self.nodes = None if nodes is None else tuple(nodes)
         self._progress = progress
         self.hosts_wanted = hosts or default_hosts()
         self.seed = seed
         self._hosts: list[_Host] = []
         self._dir: str | None = None
+
+    def node_slots(self, local_slots: int) -> dict[int, int]:
+        if self.nodes is None:
+            return {0: local_slots}
+        return dict(enumerate(self.nodes))
 
     def progress_path(self) -> str:
         """The progress model's file (the default one written once to a private file)."""
