@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 FACTOR_WEIGHT = 0.2
 FACTOR_CLAMP = 4.0
+IDLE_RELAX = 0.9
 BIG = 1 << 62  # an unbounded room
 FAST_DLLM_GSM8K = ((0.5, 7.01), (0.6, 6.17), (0.7, 5.12), (0.8, 4.24), (0.9, 3.25), (1.0, 1.0))
 
@@ -571,9 +572,9 @@ class ReferenceScheduler:
         inst = self.instances[self.instance_slot[instance_id]]
         if inst.predicted_s > 0.0:
             ratio = min(max(measured_s / inst.predicted_s, 1.0 / FACTOR_CLAMP), FACTOR_CLAMP)
+            inst.factor = (1.0 - FACTOR_WEIGHT) * inst.factor + FACTOR_WEIGHT * ratio
             pooled = self.group_factors[inst.group]
             self.group_factors[inst.group] = (1.0 - FACTOR_WEIGHT) * pooled + FACTOR_WEIGHT * ratio
-        inst.factor = self.group_factors[inst.group]
         finished = []
         for res in sorted(results, key=lambda x: x[0]):
             if res[0] in inst.cancelled:
@@ -640,7 +641,9 @@ class ReferenceScheduler:
             self.overloaded = self._control_load(ordered)
         out = Decisions(overloaded=self.overloaded)
         for inst in self.instances:
-            inst.factor = self.group_factors[inst.group]
+            if not inst.busy:  # an idle instance's factor relaxes toward its group's
+                pooled = self.group_factors[inst.group]
+                inst.factor = pooled + IDLE_RELAX * (inst.factor - pooled)
         assigned = self._place(now, ordered, out)
         self._emit(now, assigned, out)
         return out

@@ -315,11 +315,11 @@ def test_each_batch_releases_what_left_its_instance(profile: LatencyProfile) -> 
         s.arrive(rid, arrival=0.0, deadline=100.0, prompt_len=16, output_len=64)
     batch = s.schedule(0.0).batch_for(1)
     assert ids(batch) == [1, 2, 3] and all(e.new_here for e in batch.entries)
-    assert batch.release == []
+    assert batch.release == ()
     s.step_done(1, 0.01, [StepResult(1, 1, finished=True), *report(batch)[1:]])
     s.cancel(2)
     batch = s.schedule(0.1).batch_for(1)
-    assert batch.release == [1, 2] and ids(batch) == [3]
+    assert batch.release == (1, 2) and ids(batch) == [3]
     assert not batch.entries[0].new_here
     s.add_instance(2, tp=1, gpus=[1])
     s.step_done(1, 0.01, [StepResult(3, 31)])  # the block is done: its next step recomputes
@@ -331,7 +331,7 @@ def test_each_batch_releases_what_left_its_instance(profile: LatencyProfile) -> 
     s.undrain_instance(1)
     s.arrive(4, arrival=0.3, deadline=100.0, prompt_len=16, output_len=64)
     batch = s.schedule(0.3).batch_for(1)
-    assert ids(batch) == [4] and batch.release == [3]
+    assert ids(batch) == [4] and batch.release == (3,)
 
 
 def test_one_slow_step_does_not_starve_an_instance_of_work() -> None:

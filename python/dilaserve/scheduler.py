@@ -241,7 +241,7 @@ class Batch(NamedTuple):
     predicted_finish: float
     #: Requests the instance drops before this step: they left it since its last batch
     #: (finished, cancelled, moved away, their step aborted).
-    release: list[int] = []
+    release: tuple[int, ...] = ()
 
 
 class Migration(NamedTuple):
@@ -424,7 +424,7 @@ class Decisions:
                 for i in range(start, start + length)
             ]
             out.append(
-                Batch(instance, entries, tokens, finish, releases[r_start : r_start + r_len])
+                Batch(instance, entries, tokens, finish, tuple(releases[r_start : r_start + r_len]))
             )
         return out
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 Schema = list[dict[str, Any]]
@@ -20,9 +20,9 @@ Schema = list[dict[str, Any]]
 _PY_TYPES = {"float": "float", "int": "int", "bool": "bool", "str": "str", "choice": "str"}
 
 
-def _annotation(kind: dict[str, Any], nested: Mapping[str, type]) -> str:
+def _annotation(kind: dict[str, Any]) -> str:
     if kind["type"] == "list":
-        text = f"tuple[{_annotation(kind['item'], nested)}, ...]"
+        text = f"tuple[{_annotation(kind['item'])}, ...]"
     else:
         text = _PY_TYPES.get(kind["type"], "object")
     return f"{text} | None" if kind.get("nullable") else text
@@ -50,7 +50,7 @@ def settings_fields(
             fields.append((f["name"], cls.__name__, spec))
         else:
             spec = dataclasses.field(default=_frozen(f["default"]), metadata=meta)
-            fields.append((f["name"], _annotation(f["kind"], nested), spec))
+            fields.append((f["name"], _annotation(f["kind"]), spec))
     return fields
 
 
@@ -139,23 +139,30 @@ def flag(name: str) -> str:
 
 
 def add_settings_flags(
-    parser: argparse.ArgumentParser, schema: Schema, *, exclude: Iterable[str] = ()
+    parser: argparse._ActionsContainer,
+    schema: Schema,
+    *,
+    exclude: Iterable[str] = (),
+    default_label: str = "default",
 ) -> list[dict[str, Any]]:
     """One flag per field of `schema` (nested settings flattened): `--name` with the
-    field's doc and default as help, a boolean as `--name / --no-name`. Returns the fields
-    given flags; their values arrive unparsed (`parse_setting`)."""
+    field's doc and default (shown as `default_label: value`) as help, a boolean as
+    `--name / --no-name`. Returns the fields given flags; their values arrive unparsed
+    (`parse_setting`)."""
     skip = set(exclude)
     added = []
     for f in schema:
         if f["name"] in skip:
             continue
         if f["kind"]["type"] == "settings":
-            added += add_settings_flags(parser, f["fields"], exclude=exclude)
+            added += add_settings_flags(
+                parser, f["fields"], exclude=exclude, default_label=default_label
+            )
             continue
         default = f["default"]
         shown = ",".join(map(str, default)) if isinstance(default, list) else default
         shown = "none" if shown is None else shown
-        help_text = f"{f['doc']} (default: {shown})".replace("%", "%%")
+        help_text = f"{f['doc']} ({default_label}: {shown})".replace("%", "%%")
         if f["kind"]["type"] == "bool":
             parser.add_argument(
                 flag(f["name"]), action=argparse.BooleanOptionalAction, help=help_text
@@ -174,8 +181,3 @@ def flatten(schema: Schema) -> list[dict[str, Any]]:
     for f in schema:
         out += flatten(f["fields"]) if f["kind"]["type"] == "settings" else [f]
     return out
-
-
-def with_settings(obj: Any, values: Mapping[str, Any], parse: Callable[[str, Any], Any]) -> Any:
-    """`obj` with the named fields replaced by `parse(name, value)`."""
-    return dataclasses.replace(obj, **{k: parse(k, v) for k, v in values.items()})

@@ -236,7 +236,7 @@ def test_replan_from_recent_arrivals_plans_and_applies_the_transition(make_engin
         engine = h.engine
         await asyncio.gather(*(engine.complete(p.prompt, params(p)) for p in problems))
         before = set(engine.instances)
-        result = await engine.reconfigurer.replan(window_s=60.0)
+        result = await engine.reconfigurer.replan()
         return result, sorted(i.tp for i in engine.instances.values()), before
 
     result, degrees, before = h.run(scenario())

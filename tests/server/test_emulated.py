@@ -37,6 +37,8 @@ def test_an_emulated_64_instance_cluster_serves_a_burst_over_http(start_server):
     assert len(instances) == 64 and all(i["state"] == "serving" for i in instances)
     assert sum(i["steps_run"] > 0 for i in instances) >= 32, "the burst spread over the cluster"
     assert cluster["active_requests"] == 0
+    launcher = live.engine.launcher
+    assert len(launcher._hosts) <= launcher.hosts_wanted, "64 instances share a few hosts"
 
 
 def test_a_flat_profile_spreads_steps_over_emulated_instances(tmp_path):
@@ -62,3 +64,25 @@ def test_a_flat_profile_spreads_steps_over_emulated_instances(tmp_path):
     steps = asyncio.run(run())
     mean = sum(steps) / len(steps)
     assert all(mean / 2 <= n <= 2 * mean for n in steps), steps
+
+
+def test_an_emulated_instance_killed_mid_burst_loses_no_request():
+    """Emulated instances share host processes but die alone: the engine restarts the one
+    killed, its requests resume elsewhere, and every request completes."""
+    config = EngineConfig(emulate=True, instances=(1,) * 4)
+    problems = make_problems(64, 4_114)
+
+    async def run() -> tuple[list, int, int]:
+        async with Engine(config) as engine:
+            params = GenerationParams(max_tokens=256)
+            tasks = [asyncio.ensure_future(engine.complete(p.prompt, params)) for p in problems]
+            while not engine.status().instances[0].residents:
+                await asyncio.sleep(0.001)
+            engine.instances[0].handle.kill()
+            outputs = await asyncio.gather(*tasks)
+            hosts = len(engine.launcher._hosts)
+            return outputs, engine.restarts, hosts
+
+    outputs, restarts, hosts = asyncio.run(run())
+    assert restarts == 1 and hosts <= 4
+    assert all(o.finished and len(o.token_ids) == 256 for o in outputs)

@@ -20,7 +20,6 @@ import torch
 from dilaserve.cli.common import default_dtype
 from dilaserve.engine import Engine, EngineConfig, Launcher, LocalLauncher
 from dilaserve.engine.config import ENGINE_SCHEDULER_SETTINGS
-from dilaserve.engine.emulation import EmulatedLauncher
 from dilaserve.protocol import CacheMode
 from dilaserve.scheduler import POLICY_SETTINGS, PRESETS, Policy
 from dilaserve.server import ServerSettings, bind, serve
@@ -62,7 +61,9 @@ DEFAULTS = {
     "launcher": "local",
     "ray_address": "auto",
     "ray_resource": None,
-} | dict.fromkeys(SCHEDULER_KEYS)
+}
+assert not set(DEFAULTS) & set(SCHEDULER_KEYS), "a serve key shadows a scheduler setting"
+DEFAULTS |= dict.fromkeys(SCHEDULER_KEYS)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -114,8 +115,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--progress",
-        help="progress model JSON of emulated workers (default: LLaDA-8B's, as the "
-        "simulator's)",
+        help="progress model JSON of emulated workers (default: LLaDA-8B's, as the simulator's)",
     )
     p.add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"], help="bfloat16 on CUDA, else float32"
@@ -149,8 +149,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--ray-resource",
         help="the Ray resource one rank takes (default: GPU on cuda, else CPU; or a custom one)",
     )
-    settings = p.add_argument_group("scheduler settings (the core's SchedulerConfig and Policy)")
-    add_settings_flags(settings, ENGINE_SCHEDULER_SETTINGS)
+    settings = p.add_argument_group("scheduler settings (the core's SchedulerConfig)")
+    add_settings_flags(settings, ENGINE_SCHEDULER_SETTINGS, exclude=("policy",))
+    policy = p.add_argument_group("policy settings (the core's Policy; they adjust --policy)")
+    add_settings_flags(policy, POLICY_SETTINGS, default_label="dilaserve")
     p.set_defaults(run=run)
 
 
@@ -245,13 +247,11 @@ def engine_config(values: dict) -> EngineConfig:
     )
 
 
-def launcher_from(values: dict, config: EngineConfig) -> Launcher:
-    """The local launcher (emulated instances with `--emulate`), or a `RayLauncher` (Ray is
-    imported only then)."""
+def launcher_from(values: dict, config: EngineConfig) -> Launcher | None:
+    """The local launcher (None with `--emulate`: the engine starts emulated instances), or
+    a `RayLauncher` (Ray is imported only then)."""
     if values["launcher"] == "local":
-        if config.emulate:
-            return EmulatedLauncher(config.profile, config.progress)
-        return LocalLauncher()
+        return None if config.emulate else LocalLauncher()
     if config.emulate:
         raise ValueError("--emulate runs its instances on this machine: use --launcher local")
     if values["launcher"] != "ray":

@@ -38,9 +38,7 @@ def emulated_config(config: EngineConfig) -> EngineConfig:
     profile = config.profile or SIMULATED_LLADA8B
     rates = config.predictor_rates
     if rates is None:
-        progress = (
-            progress_model.load(config.progress) if config.progress else llada8b_progress()
-        )
+        progress = progress_model.load(config.progress) if config.progress else llada8b_progress()
         rates = tuple(progress_model.mean_rates(progress))
     return dataclasses.replace(config, profile=profile, predictor_rates=rates)
 
@@ -86,14 +84,19 @@ class _Host:
     async def _read(self) -> None:
         assert self.process.stdout is not None
         while line := await self.process.stdout.readline():
-            report = json.loads(line)
-            handle = self.handles.pop(int(report["exited"]), None)
+            try:
+                report = json.loads(line)
+                worker_id, code = int(report["exited"]), int(report["code"])
+            except (ValueError, KeyError, TypeError):
+                log.warning("emulated host %d said %r", self.process.pid, line)
+                continue
+            handle = self.handles.pop(worker_id, None)
             if handle is not None and not handle.exited.done():
-                handle.exited.set_result(int(report["code"]))
+                handle.exited.set_result(code)
         code = await self.process.wait()
-        for handle in self.handles.values():
+        for handle in self.handles.values():  # they went down with their host
             if not handle.exited.done():
-                handle.exited.set_result(code or 1)
+                handle.exited.set_result(code)
         self.handles.clear()
 
 
@@ -116,6 +119,8 @@ class EmulatedLauncher(Launcher):
         self.hosts_wanted = hosts or default_hosts()
         self.seed = seed
         self._hosts: list[_Host] = []
+        self._started = 0
+        self._choosing = asyncio.Lock()
         self._dir: str | None = None
 
     def node_slots(self, local_slots: int) -> dict[int, int]:
@@ -148,7 +153,12 @@ class EmulatedLauncher(Launcher):
         return handle
 
     async def _host(self) -> _Host:
-        """The live host with the fewest instances, starting hosts up to `hosts_wanted`."""
+        """The live host with the fewest instances, starting hosts up to `hosts_wanted`
+        (one launch at a time: concurrent launches must not each start one)."""
+        async with self._choosing:
+            return await self._choose_host()
+
+    async def _choose_host(self) -> _Host:
         self._hosts = [h for h in self._hosts if h.process.returncode is None]
         if len(self._hosts) < self.hosts_wanted:
             process = await asyncio.create_subprocess_exec(
@@ -160,10 +170,11 @@ class EmulatedLauncher(Launcher):
                 "--progress",
                 self.progress_path(),
                 "--seed",
-                str(self.seed + len(self._hosts)),
+                str(self.seed + self._started),
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
             )
+            self._started += 1
             log.info("started emulated worker host (pid %d)", process.pid)
             self._hosts.append(_Host(process))
         return min(self._hosts, key=lambda h: len(h.handles))

@@ -356,7 +356,9 @@ class Engine:
         instances = []
         for inst in sorted(self.instances.values(), key=lambda i: i.id):
             state = "stopping" if inst.stopping else "serving" if inst.registered else "starting"
-            entry = InstanceStatus(inst.id, inst.tp, inst.gpus, inst.node, state, inst.restarts)
+            entry = InstanceStatus(
+                inst.id, inst.tp, inst.gpus, inst.node, state, inst.restarts, inst.registered
+            )
             if inst.registered:
                 info = self.scheduler.instance(inst.id)
                 entry = dataclasses.replace(
@@ -679,7 +681,7 @@ class Engine:
     def _dispatch(self, inst: InstanceRecord, batch: Batch, now: float) -> None:
         """Sends the scheduler's batch as it decided it: its releases, the token state of
         requests new there, and each entry's τ and step kind."""
-        command = StepCommand(step=next(self._step_numbers), release=batch.release)
+        command = StepCommand(step=next(self._step_numbers), release=list(batch.release))
         for e in batch.entries:
             if e.new_here:
                 command.admit.append(self._requests[e.request].state.copy())

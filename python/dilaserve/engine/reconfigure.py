@@ -184,12 +184,11 @@ class Reconfigurer:
             await self._execute(transition, ids, keys)
             return transition
 
-    async def replan(
-        self, window_s: float | None = None, min_improvement: float | None = None
-    ) -> Plan | None:
-        """Plans for the arrivals of the last `window_s` seconds (the replan interval by
-        default) and, if the planner adopts the new plan (an objective improves by
-        `min_improvement`, 10 % by default), executes its transition."""
+    async def replan(self, min_improvement: float | None = None) -> Plan | None:
+        """Plans for the arrivals of the last window (`replan_interval_s`, or
+        `MEMBERSHIP_WINDOW_S` without periodic planning) and, if the planner adopts the new
+        plan (an objective improves by `min_improvement`, 10 % by default), executes its
+        transition."""
         engine = self.engine
         async with self._lock:
             node_gpus, keys = self.layout()
@@ -201,7 +200,6 @@ class Reconfigurer:
                 node_gpus,
                 engine.config.max_batch_tokens,
                 engine.profile,
-                window_s=window_s,
                 min_improvement=min_improvement,
             )
             if asked is None:

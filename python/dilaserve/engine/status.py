@@ -13,9 +13,11 @@ class InstanceStatus:
     tp: int
     gpus: tuple[int, ...]
     node: int
-    #: `starting`, `serving` or `stopping`.
+    #: `starting`, `serving` or `stopping` (draining or shutting down).
     state: str
     restarts: int
+    #: Known to the scheduler: ready, and not yet removed (serving or draining).
+    registered: bool = False
     #: The scheduler's view, while it serves: tokens of the step in flight, resident
     #: requests and their tokens, steps run.
     batch_tokens: int | None = None
@@ -49,5 +51,5 @@ class EngineStatus:
 
     @property
     def ready(self) -> bool:
-        """Every instance serves (at least one)."""
-        return bool(self.instances) and all(i.state == "serving" for i in self.instances)
+        """Every instance has started (at least one); a draining one still counts."""
+        return bool(self.instances) and all(i.registered for i in self.instances)

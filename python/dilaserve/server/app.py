@@ -364,7 +364,7 @@ class Server:
     async def cluster(self, request: web.Request) -> web.Response:
         status = self.engine.status()
         instances = [
-            {k: v for k, v in dataclasses.asdict(i).items() if v is not None}
+            {k: v for k, v in dataclasses.asdict(i).items() if v is not None and k != "registered"}
             for i in status.instances
         ]
         return web.json_response(

@@ -92,7 +92,7 @@ class EngineCollector(Collector):
         batch = GaugeMetricFamily(
             "dilaserve:instance_batch_tokens", "Tokens of the step in flight", labels=["instance"]
         )
-        serving = [i for i in status.instances if i.state == "serving"]
+        serving = [i for i in status.instances if i.registered]
         per_degree = Tally(inst.tp for inst in serving)
         for inst in serving:
             batch.add_metric([str(inst.id)], inst.batch_tokens)

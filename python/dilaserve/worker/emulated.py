@@ -9,9 +9,10 @@ of GPUs can be tested on a laptop.
 
 One host process (`python -m dilaserve.worker.emulated`) runs many instances on one
 asyncio loop, each with its own socket and worker id, so the engine cannot tell them from
-real ones. The launcher controls it over stdin/stdout, one JSON object a line: `start` (a
-`WorkerSpec`), `kill` (the instance vanishes at once, as on SIGKILL) and `terminate` (it
-asks to be drained, as on SIGTERM); the host answers `{"exited": worker_id, "code": n}`.
+real ones (they connect over IPC: emulation runs on one machine). The launcher controls
+it over stdin/stdout, one JSON object a line: `start` (a `WorkerSpec`), `kill` (the
+instance vanishes at once, as on SIGKILL) and `terminate` (it asks to be drained, as on
+SIGTERM); the host answers `{"exited": worker_id, "code": n}`.
 Emulated instances hold no KV cache (`kv_tokens` None): only `max_requests` bounds them.
 """
 
@@ -30,7 +31,6 @@ import zmq
 import zmq.asyncio
 
 from dilaserve import _core
-from dilaserve.channel_keys import WorkerKeys
 from dilaserve.protocol import (
     CacheMode,
     RequestError,
@@ -92,9 +92,6 @@ class EmulatedInstance:
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.IDENTITY, str(self.worker_id).encode())
         self.socket.setsockopt(zmq.LINGER, 0)
-        keys = spec.get("keys")
-        if keys is not None and spec["endpoint"].startswith("tcp://"):
-            WorkerKeys(**keys).secure(self.socket)
         self.held: dict[int, _Held] = {}
         self.leaving = asyncio.Event()
 
@@ -178,9 +175,7 @@ class EmulatedInstance:
                 del self.held[out.request_id]
         await asyncio.sleep(max(0.0, seconds - (time.perf_counter() - started)))
         tokens = full + cache
-        return StepReport(
-            command.step, outputs, errors, forward_tokens=tokens, seconds=seconds
-        )
+        return StepReport(command.step, outputs, errors, forward_tokens=tokens, seconds=seconds)
 
 
 def _admitted(state: RequestState) -> _Held:

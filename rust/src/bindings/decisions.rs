@@ -1,6 +1,7 @@
-//! Python view of a round's decisions: batches, entries and waiting requests each as one
-//! `bytes` of packed little-endian records (read with `numpy.frombuffer` and a structured
-//! dtype), so handing 10k dispatched steps to Python costs a copy, not 10k objects.
+//! Python view of a round's decisions: batches (with their release ranges), entries,
+//! released ids and waiting requests each as one `bytes` of packed little-endian records
+//! (read with `numpy.frombuffer` and a structured dtype), so handing 10k dispatched steps
+//! to Python costs a copy, not 10k objects.
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};

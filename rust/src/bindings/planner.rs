@@ -194,8 +194,7 @@ impl PyReplanner {
 
     /// `ReplanInputs` as JSON, or None without arrivals in the window. `running`:
     /// `(id, node index, degree, gpus)` of each instance serving.
-    #[pyo3(signature = (now, running, node_gpus, default_batch, profile, *, window_s=None, min_improvement=None))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (now, running, node_gpus, default_batch, profile, *, min_improvement=None))]
     fn inputs_json(
         &mut self,
         now: f64,
@@ -203,7 +202,6 @@ impl PyReplanner {
         node_gpus: Vec<u32>,
         default_batch: Count<u64>,
         profile: &Bound<'_, PyLatencyProfile>,
-        window_s: Option<f64>,
         min_improvement: Option<f64>,
     ) -> PyResult<Option<String>> {
         let running: Vec<RunningInstance> = running
@@ -219,7 +217,6 @@ impl PyReplanner {
             .inner
             .inputs(
                 now,
-                window_s,
                 min_improvement,
                 &running,
                 &node_gpus,

@@ -97,15 +97,8 @@ impl Replanner {
     /// New options (rates learned while serving, say); the arrivals, the batch sizes of
     /// the last adopted plan and the next plan's time stay.
     pub fn set_options(&mut self, options: ReplanOptions) -> Result<(), PlannerError> {
-        let next_plan = self.next_plan;
-        let recent = std::mem::take(&mut self.recent);
-        let batch_tokens = std::mem::take(&mut self.batch_tokens);
-        *self = Self {
-            next_plan,
-            recent,
-            batch_tokens,
-            ..Self::new(options)?
-        };
+        let fresh = Self::new(options)?;
+        self.options = fresh.options;
         Ok(())
     }
 
@@ -128,16 +121,13 @@ impl Replanner {
         self.batch_tokens.get(&degree).copied()
     }
 
-    /// The planner's inputs at `now` for the arrivals of the last `window_s` (the options'
-    /// by default), or `None` when there were none; the next periodic plan falls due an
-    /// interval later. `min_improvement` replaces the adoption margin (0 after a node
-    /// change: the running layout may no longer fit); `default_batch` describes a degree no
-    /// plan has sized yet.
-    #[allow(clippy::too_many_arguments)]
+    /// The planner's inputs at `now` for the arrivals of the last window, or `None` when
+    /// there were none; the next periodic plan falls due an interval later.
+    /// `min_improvement` replaces the adoption margin (0 after a node change: the running
+    /// layout may no longer fit); `default_batch` describes a degree no plan has sized yet.
     pub fn inputs(
         &mut self,
         now: f64,
-        window_s: Option<f64>,
         min_improvement: Option<f64>,
         running: &[RunningInstance],
         node_gpus: &[u32],
@@ -145,7 +135,7 @@ impl Replanner {
         profile: &LatencyProfile,
     ) -> Result<Option<ReplanInputs>, PlannerError> {
         self.next_plan = now + self.options.interval_s;
-        let start = now - window_s.unwrap_or(self.options.window_s);
+        let start = now - self.options.window_s;
         let arrivals: Vec<Arrival> = self
             .recent
             .iter()
@@ -241,5 +231,124 @@ impl Replanner {
     /// devices the launch may need.
     pub fn handover(others_serving: bool, launch_follows: bool) -> bool {
         !others_serving && launch_follows
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::planner::{PlannerConfig, SolverKind};
+    use crate::profile::{LatencyProfile, StepKind};
+
+    fn profile() -> LatencyProfile {
+        let points: Vec<(u64, f64)> = [64, 512, 4096, 16384]
+            .iter()
+            .map(|&n| (n, 0.02 + 2e-5 * n as f64))
+            .collect();
+        let tables = [StepKind::Recompute, StepKind::Cache]
+            .into_iter()
+            .flat_map(|kind| [1, 2].map(|tp| (tp, kind, points.clone())));
+        LatencyProfile::from_tables(tables).unwrap()
+    }
+
+    fn replanner() -> Replanner {
+        Replanner::new(ReplanOptions {
+            interval_s: 10.0,
+            window_s: 10.0,
+            planner: PlannerConfig {
+                caching: true,
+                solver: SolverKind::Microlp,
+                ..PlannerConfig::new(1.0, vec![1, 2, 4], vec![1024, 4096])
+            },
+            slo: SloTarget::Scaled {
+                scale: 5.0,
+                tokens_per_step: 3.0,
+            },
+            thresholds: vec![ThresholdOption {
+                threshold: 0.9,
+                tokens_per_step: 3.0,
+            }],
+            bins: BinSpec::default(),
+        })
+        .unwrap()
+    }
+
+    fn arrival(time: f64) -> Arrival {
+        Arrival {
+            time,
+            prompt_tokens: 100,
+            output_tokens: 64,
+        }
+    }
+
+    #[test]
+    fn a_plan_falls_due_an_interval_after_the_last_even_without_arrivals() {
+        let mut r = replanner();
+        let p = profile();
+        assert_eq!(r.next_plan(), 10.0);
+        assert!(r.inputs(10.0, None, &[], &[2], 8192, &p).unwrap().is_none());
+        assert_eq!(r.next_plan(), 20.0);
+    }
+
+    #[test]
+    fn inputs_describe_the_window_the_nodes_and_the_running_deployment() {
+        let mut r = replanner();
+        let p = profile();
+        for t in [1.0, 12.0, 13.0, 14.0] {
+            r.record(arrival(t));
+        }
+        let running = [RunningInstance {
+            id: 7,
+            node: 0,
+            degree: 1,
+            gpus: vec![0],
+        }];
+        let asked = r
+            .inputs(15.0, Some(0.0), &running, &[2], 8192, &p)
+            .unwrap()
+            .unwrap();
+        let inputs = &asked.inputs;
+        assert_eq!(asked.instance_ids, vec![7]);
+        assert_eq!(
+            inputs.config.degrees,
+            vec![1, 2],
+            "no degree wider than a node"
+        );
+        assert_eq!(inputs.config.batch_tokens, vec![1024, 4096, 8192]);
+        assert_eq!(inputs.config.min_improvement, 0.0);
+        assert!(
+            inputs.config.slo_seconds > 0.0,
+            "scaled from the window's isolated latency"
+        );
+        let current = inputs.current.as_ref().unwrap();
+        assert_eq!(current.batch_tokens.get(&1), Some(&8192));
+        let rate: f64 = inputs.classes.iter().map(|c| c.rate).sum();
+        assert!(
+            rate > 0.0 && rate < 1.0,
+            "the arrival at t=1 left the window: {rate}"
+        );
+    }
+
+    #[test]
+    fn new_options_keep_what_was_recorded_and_bad_ones_change_nothing() {
+        let mut r = replanner();
+        r.record(arrival(1.0));
+        let mut options = r.options().clone();
+        options.interval_s = -1.0;
+        assert!(r.set_options(options).is_err());
+        options = r.options().clone();
+        options.thresholds[0].tokens_per_step = 6.0;
+        r.set_options(options).unwrap();
+        assert_eq!(r.options().thresholds[0].tokens_per_step, 6.0);
+        assert!(r
+            .inputs(2.0, None, &[], &[1], 8192, &profile())
+            .unwrap()
+            .is_some());
+    }
+
+    #[test]
+    fn a_stop_hands_over_only_as_the_last_instance_before_a_launch() {
+        assert!(Replanner::handover(false, true));
+        assert!(!Replanner::handover(true, true) && !Replanner::handover(false, false));
     }
 }

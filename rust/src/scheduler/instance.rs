@@ -44,6 +44,8 @@ impl InstanceSpec {
 const FACTOR_WEIGHT: f64 = 0.2;
 /// A single step can move the factor by at most this ratio either way.
 const FACTOR_CLAMP: f64 = 4.0;
+/// Share of an idle instance's factor deviation from its group's kept per round.
+pub(crate) const IDLE_RELAX: f64 = 0.9;
 
 #[derive(Clone, Debug)]
 pub(crate) struct Instance {
@@ -74,8 +76,8 @@ pub(crate) struct Instance {
     /// Requests whose state (and cache) this instance holds, and their sequence tokens.
     pub residents: u32,
     pub resident_tokens: u64,
-    /// Exponential average of measured / predicted step time over its degree group's
-    /// steps (see [`Instance::observe_step`]).
+    /// Exponential average of measured / predicted step time, relaxed toward its degree
+    /// group's while idle (see [`Instance::relax_toward`]).
     pub factor: f64,
     pub steps_run: u64,
     pub last_step_s: f64,
@@ -85,23 +87,28 @@ pub(crate) struct Instance {
 }
 
 impl Instance {
+    /// *(ours)* Moves an idle instance's factor part of the way to its group's, once per
+    /// round. A factor kept only by the instance's own steps went stale on one that stopped
+    /// getting work after one slow step (a busy host, say): it looked slower than the rest
+    /// for good, got no work to correct it, and the others took its share (at 4 emulated
+    /// instances one ran 916 steps and another 10). A truly slow instance still shows its
+    /// own factor right after each of its steps.
+    pub fn relax_toward(&mut self, pooled: f64) {
+        self.factor = pooled + IDLE_RELAX * (self.factor - pooled);
+    }
+
     pub fn predicted_finish(&self) -> f64 {
         self.started_at + self.predicted_s * self.factor
     }
 
-    /// Folds one measured step time into `pooled`, the correction factor this instance
-    /// shares with the others of its degree group, and takes it.
-    ///
-    /// *(ours)* The factor is pooled: a factor of its own went stale on an instance that
-    /// stopped getting work after one slow step (a busy host, say) — it then looked slower
-    /// than the rest forever, got no work to correct it, and the others took its share (at
-    /// 4 emulated instances one ran 916 steps and another 10).
+    /// Folds one measured step time into this instance's factor and into `pooled`, the
+    /// factor of its degree group.
     pub fn observe_step(&mut self, measured_s: f64, pooled: &mut f64) {
         if self.predicted_s > 0.0 {
             let ratio = (measured_s / self.predicted_s).clamp(1.0 / FACTOR_CLAMP, FACTOR_CLAMP);
+            self.factor = (1.0 - FACTOR_WEIGHT) * self.factor + FACTOR_WEIGHT * ratio;
             *pooled = (1.0 - FACTOR_WEIGHT) * *pooled + FACTOR_WEIGHT * ratio;
         }
-        self.factor = *pooled;
         self.last_step_s = measured_s;
         self.steps_run += 1;
     }
@@ -330,6 +337,9 @@ mod tests {
         let mut pooled = 1.0;
         inst.observe_step(0.2, &mut pooled);
         assert!((inst.factor - 1.2).abs() < 1e-12 && pooled == inst.factor);
+        inst.relax_toward(1.0);
+        assert!((inst.factor - (1.0 + IDLE_RELAX * 0.2)).abs() < 1e-12);
+        inst.factor = 1.2;
         inst.observe_step(100.0, &mut pooled);
         assert!((inst.factor - (0.8 * 1.2 + 0.2 * 4.0)).abs() < 1e-12);
         assert_eq!(inst.steps_run, 2);

@@ -115,8 +115,8 @@ impl Scheduler {
             self.overloaded = self.control_load(now);
         }
         self.decisions.overloaded = self.overloaded;
-        for inst in &mut self.instances.slots {
-            inst.factor = self.group_factors[inst.group];
+        for inst in self.instances.slots.iter_mut().filter(|i| !i.busy) {
+            inst.relax_toward(self.group_factors[inst.group]);
         }
         self.place(now);
         self.emit_batches(now);

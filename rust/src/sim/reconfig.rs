@@ -160,7 +160,6 @@ impl Reconfig {
         let Some(asked) = self.replanner.inputs(
             now,
             None,
-            None,
             &running,
             &self.node_gpus,
             default_batch,
