@@ -104,7 +104,7 @@ class Reconfigurer:
     def __init__(self, engine: ManagedCluster) -> None:
         self.engine = engine
         self._lock = asyncio.Lock()
-        self._replanner = _core.Replanner(replan_options(engine))
+        self._core_replanner: _core.Replanner | None = None
         #: The last plan computed by `replan`, adopted or not.
         self.last_plan: Plan | None = None
         self.runs = 0
@@ -115,6 +115,13 @@ class Reconfigurer:
         self._membership_again = False
         #: TP degrees of instances lost with their nodes and not replaced yet.
         self._lost: Counter[int] = Counter()
+
+    @property
+    def _replanner(self) -> _core.Replanner:
+        """The core's replanner, made on first use (from the engine's settings then)."""
+        if self._core_replanner is None:
+            self._core_replanner = _core.Replanner(replan_options(self.engine))
+        return self._core_replanner
 
     def record(self, time: float, prompt_tokens: int, output_tokens: int) -> None:
         """An arrival, for the plans to come."""

@@ -74,6 +74,9 @@ choice_enum! {
     }
 }
 
+// The request table's empty state; the enum is declared by `choice_enum!`, whose derives
+// carry no `Default`.
+#[allow(clippy::derivable_impls)]
 impl Default for LoadOrder {
     fn default() -> Self {
         Self::Arrival
