@@ -32,7 +32,7 @@ from pathlib import Path
 from dilaserve.engine import Engine, EngineConfig, GenerationParams
 from dilaserve.engine.emulation import EmulatedLauncher
 from dilaserve.scheduler import LatencyProfile
-from dilaserve.server import ServerSettings, bind, serve
+from dilaserve.server import ServerSettings, serving
 from dilaserve.tiny.tasks import make_problems
 
 REQUESTS_PER_INSTANCE = 16
@@ -70,16 +70,18 @@ def split_cores() -> tuple[set[int], set[int]]:
     return {cores[0]}, set(cores[1:]) or {cores[0]}
 
 
-async def start_engine(instances: int, profile: str) -> Engine:
+def emulated_engine(instances: int, profile: str) -> Engine:
     config = EngineConfig(
         emulate=True, instances=(1,) * instances, profile=profile, max_requests_per_instance=64
     )
-    engine = Engine(config, EmulatedLauncher(profile, hosts=max(1, (os.cpu_count() or 2) - 1)))
-    await engine.start()
+    return Engine(config, EmulatedLauncher(profile, hosts=max(1, (os.cpu_count() or 2) - 1)))
+
+
+def pin_hosts(engine: Engine) -> None:
+    """The emulated hosts to the cores the engine does not use."""
     _, others = split_cores()
     for host in engine.launcher._hosts:
         pin(host.process.pid, others)
-    return engine
 
 
 def idle_share(engine: Engine, before: dict, wall: float, instances: int) -> float:
@@ -89,8 +91,9 @@ def idle_share(engine: Engine, before: dict, wall: float, instances: int) -> flo
 
 async def direct(instances: int, profile: str, seconds: float) -> tuple[float, float, int]:
     """Idle share, engine-process CPU µs per step and steps, clients on the engine's loop."""
-    engine = await start_engine(instances, profile)
-    try:
+    engine = emulated_engine(instances, profile)
+    async with engine:
+        pin_hosts(engine)
         params = GenerationParams(max_tokens=MAX_TOKENS)
         stop = time.monotonic() + seconds + 1.0
 
@@ -110,8 +113,6 @@ async def direct(instances: int, profile: str, seconds: float) -> tuple[float, f
         share = idle_share(engine, before, wall, instances)
         await asyncio.gather(*clients)
         return share, 1e6 * cpu / max(steps, 1), steps
-    finally:
-        await engine.shutdown()
 
 
 LOADGEN = """
@@ -131,37 +132,31 @@ asyncio.run(main())
 
 
 async def over_http(instances: int, profile: str, seconds: float) -> float:
-    engine = await start_engine(instances, profile)
-    sock = bind("127.0.0.1", 0)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    started, stopping = asyncio.Event(), asyncio.Event()
-    server = asyncio.ensure_future(
-        serve(engine, ServerSettings("dilaserve-tiny"), sock, started=started, stop=stopping)
-    )
-    await started.wait()
-    _, others = split_cores()
-    load = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            LOADGEN,
-            url,
-            str(REQUESTS_PER_INSTANCE * instances),
-            str(seconds + 1.0),
-            PROMPT,
-            str(MAX_TOKENS),
-        ]
-    )
-    pin(load.pid, others)
-    await asyncio.sleep(1.0)
-    before = dict(vars(engine.step_times))
-    wall = time.monotonic()
-    await asyncio.sleep(seconds)
-    share = idle_share(engine, before, time.monotonic() - wall, instances)
-    await asyncio.to_thread(load.wait)
-    stopping.set()
-    await server
-    return share
+    engine = emulated_engine(instances, profile)
+    async with serving(engine, ServerSettings("dilaserve-tiny")) as url:
+        pin_hosts(engine)
+        _, others = split_cores()
+        load = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                LOADGEN,
+                url,
+                str(REQUESTS_PER_INSTANCE * instances),
+                str(seconds + 1.0),
+                PROMPT,
+                str(MAX_TOKENS),
+            ]
+        )
+        try:
+            pin(load.pid, others)
+            await asyncio.sleep(1.0)
+            before = dict(vars(engine.step_times))
+            wall = time.monotonic()
+            await asyncio.sleep(seconds)
+            return idle_share(engine, before, time.monotonic() - wall, instances)
+        finally:
+            await asyncio.to_thread(load.wait)
 
 
 def worker_host_ms(batch: int, steps: int) -> float:

@@ -31,7 +31,7 @@ from dilaserve.engine import Engine, EngineConfig
 from dilaserve.engine.emulation import EmulatedLauncher
 from dilaserve.profiles import SIMULATED_LLADA8B
 from dilaserve.scheduler import Policy
-from dilaserve.server import ServerSettings, bind, serve
+from dilaserve.server import ServerSettings, serving
 from dilaserve.sim import Workload, simulate
 from dilaserve.tiny import default_model_dir
 from dilaserve.traces import AZURE_CONV, read_trace
@@ -90,22 +90,14 @@ async def live(policy: str, workload_file: str, model: str) -> dict:
         max_requests_per_instance=256,
     )
     engine = Engine(config, EmulatedLauncher(SIMULATED_LLADA8B, nodes=NODES))
-    sock = bind("127.0.0.1", 0)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    started, stopping = asyncio.Event(), asyncio.Event()
-    server = asyncio.ensure_future(
-        serve(engine, ServerSettings("emulated"), sock, started=started, stop=stopping)
-    )
-    await started.wait()
-    done = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-c", LOADGEN, url, workload_file],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    stopping.set()
-    await server
+    async with serving(engine, ServerSettings("emulated")) as url:
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-c", LOADGEN, url, workload_file],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
     return json.loads(done.stdout)
 
 

@@ -19,6 +19,13 @@ def make_profile(degrees: tuple[int, ...] = (1, 2, 4)) -> LatencyProfile:
     return LatencyProfile.from_tables(tables)
 
 
+def flat_profile() -> LatencyProfile:
+    """TP-1 steps of 4 ms plus 1.5 µs a token: barely longer for a bigger batch, as a GPU
+    at small batches."""
+    pts = [(n, 0.004 + 1.5e-6 * n) for n in (32, 256, 2048, 16384)]
+    return LatencyProfile.from_tables([(1, kind, pts) for kind in ("recompute", "cache")])
+
+
 def report(batch: Batch, committed: int = 1) -> list[StepResult]:
     """A worker's report committing `committed` tokens for every request of `batch`."""
     return [StepResult(e.request, committed) for e in batch.entries]

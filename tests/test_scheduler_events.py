@@ -8,7 +8,7 @@ import itertools
 import math
 
 import pytest
-from sched_profiles import make_profile, report
+from sched_profiles import flat_profile, make_profile, report
 
 from dilaserve import _core, scheduler
 from dilaserve.scheduler import (
@@ -338,9 +338,7 @@ def test_one_slow_step_does_not_starve_an_instance_of_work() -> None:
     """With a flat profile (steps barely longer for a bigger batch), one slow step used to
     leave its instance looking slow for good: it got no work, so nothing corrected it, and
     the others took its share. The step-time factor is pooled per degree group."""
-    pts = [(n, 0.004 + 1.5e-6 * n) for n in (32, 256, 2048, 16384)]
-    flat = LatencyProfile.from_tables([(1, kind, pts) for kind in ("recompute", "cache")])
-    s = Scheduler(flat)
+    s = Scheduler(flat_profile())
     for i in range(4):
         s.add_instance(i, tp=1, gpus=[i])
     next_id = itertools.count()

@@ -8,9 +8,9 @@ import json
 import urllib.request
 
 import openai
+from sched_profiles import flat_profile
 
 from dilaserve.engine import Engine, EngineConfig, GenerationParams
-from dilaserve.scheduler import LatencyProfile
 from dilaserve.tiny.tasks import make_problems
 
 
@@ -44,10 +44,8 @@ def test_an_emulated_64_instance_cluster_serves_a_burst_over_http(start_server):
 def test_a_flat_profile_spreads_steps_over_emulated_instances(tmp_path):
     """Steps barely longer for a bigger batch (a GPU at small batches): closed-loop clients
     keep every instance working, each within 2x of the mean number of steps."""
-    pts = [(n, 0.004 + 1.5e-6 * n) for n in (32, 256, 2048, 16384)]
     profile = tmp_path / "flat.json"
-    flat = LatencyProfile.from_tables([(1, kind, pts) for kind in ("recompute", "cache")])
-    profile.write_text(flat.to_json())
+    profile.write_text(flat_profile().to_json())
     config = EngineConfig(emulate=True, instances=(1,) * 4, profile=profile)
     prompt = make_problems(1, 4_004)[0].prompt
 

@@ -610,13 +610,12 @@ class Engine:
                 self._fail(req, RequestFailedError(error.message))
         results = []
         stepped = []
-        taus = dict(zip(step.requests, step.taus, strict=True))
         for out in report.outputs:
             req = self._requests.get(out.request_id)
             if req is None:
                 continue  # cancelled while its step ran
             req.apply(out)
-            self._learn_rates(req, taus[req.id], len(out.committed_tokens))
+            self._learn_rates(req, step.taus[req.id], len(out.committed_tokens))
             stepped.append(req)
             results.append(
                 StepResult(
@@ -690,8 +689,7 @@ class Engine:
         inst.inflight = InflightStep(
             command.step,
             sent,
-            [e.request for e in batch.entries],
-            [e.tau for e in batch.entries],
+            {e.request: e.tau for e in batch.entries},
             batch.predicted_finish - now,
         )
         if inst.reported_at is not None and inst.reported_at[1] == self._rounds:

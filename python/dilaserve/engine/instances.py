@@ -15,9 +15,8 @@ from .launcher import WorkerHandle
 class InflightStep:
     number: int
     sent_at: float
-    requests: list[int]
-    #: τ of each request's step, as sent.
-    taus: list[float]
+    #: τ of each request's step, as sent, by request id.
+    taus: dict[int, float]
     #: The scheduler's estimate of its duration (the latency profile's).
     predicted_s: float = 0.0
 

@@ -8,6 +8,7 @@ import contextlib
 import logging
 import signal
 import socket
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 
@@ -51,6 +52,25 @@ async def serve(
         finally:
             log.info("shutting down")
             await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def serving(engine: Engine, settings: ServerSettings) -> AsyncIterator[str]:
+    """Starts `engine` and serves it on a free loopback port for the block; yields the
+    base URL, and stops both when the block ends."""
+    sock = bind("127.0.0.1", 0)
+    started, stop = asyncio.Event(), asyncio.Event()
+    task = asyncio.ensure_future(serve(engine, settings, sock, started=started, stop=stop))
+    waiting = asyncio.ensure_future(started.wait())
+    await asyncio.wait({task, waiting}, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():  # the engine failed to start
+        waiting.cancel()
+        await task
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        stop.set()
+        await task
 
 
 class LimitedSite(web.SockSite):

@@ -112,24 +112,21 @@ class EmulatedInstance:
             tp=self.tp,
         )
         await self.socket.send(encode(ready))
-        leave = asyncio.ensure_future(self.leaving.wait())
+        announce = asyncio.ensure_future(self._announce_leaving())
         try:
             while True:
-                recv = asyncio.ensure_future(self.socket.recv())
-                done, _ = await asyncio.wait({recv, leave}, return_when=asyncio.FIRST_COMPLETED)
-                if leave in done:
-                    await self.socket.send(encode(WorkerLeaving(int(spec["instance"]))))
-                    leave = asyncio.ensure_future(asyncio.Event().wait())
-                if recv not in done:
-                    recv.cancel()
-                    continue
-                message = decode_engine_message(recv.result())
+                message = decode_engine_message(await self.socket.recv())
                 if isinstance(message, Shutdown):
                     return 0
                 await self.socket.send(encode(await self.execute(message)))
         finally:
-            leave.cancel()
+            announce.cancel()
             self.socket.close()
+
+    async def _announce_leaving(self) -> None:
+        """Asks the engine to drain this instance once it is told to terminate."""
+        await self.leaving.wait()
+        await self.socket.send(encode(WorkerLeaving(int(self.spec["instance"]))))
 
     async def execute(self, command: StepCommand) -> StepReport:
         started = time.perf_counter()
