@@ -90,12 +90,12 @@ def settings_class(
     return cls
 
 
-def settings_values(obj: object, schema: Schema, **overrides: Any) -> dict[str, Any]:
+def settings_values(obj: object, schema: Schema) -> dict[str, Any]:
     """The values of `schema`'s fields on `obj` (nested settings as dicts), as the core's
-    serde form takes them; `overrides` replace fields."""
+    serde form takes them."""
     out: dict[str, Any] = {}
     for f in schema:
-        value = overrides[f["name"]] if f["name"] in overrides else getattr(obj, f["name"])
+        value = getattr(obj, f["name"])
         if f["kind"]["type"] == "settings":
             value = settings_values(value, f["fields"])
         elif isinstance(value, tuple):

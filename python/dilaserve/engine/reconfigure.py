@@ -199,8 +199,11 @@ class Reconfigurer:
         engine = self.engine
         async with self._lock:
             node_gpus, keys = self.layout()
-            index = {key: n for n, key in enumerate(keys)}
-            running = [(i.id, index[i.node], i.tp, list(i.gpus)) for i in self.running(keys)]
+            current, ids = self.deployment(keys)
+            running = [
+                (id_, i.node, i.degree, list(i.gpus))
+                for id_, i in zip(ids, current.instances, strict=True)
+            ]
             asked = self._replanner.inputs_json(
                 engine.now(),
                 running,
