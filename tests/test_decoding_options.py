@@ -15,8 +15,6 @@ from dilaserve.decoding import (
 from dilaserve.protocol import (
     RequestState,
     StepCommand,
-    StepKind,
-    StepOutput,
     TokenStateError,
     decode_engine_message,
     encode,
@@ -58,7 +56,7 @@ def test_commit_advances_the_grid_by_the_steps_passed_and_resets_per_block():
     state = RequestState.new(
         1, [1], 8, block_length=4, mask_token_id=M, steps_per_block=4, alg="maskgit_plus"
     )
-    state.apply(StepOutput(1, StepKind.NO_CACHE, 0, [0], [5], (0.1,) * 5, 7, False, 2))
+    state.commit(0, [0], [5], timesteps=2)
     assert state.timestep == 2 and state.block_steps == 1
     state.commit(0, [1, 2, 3], [5, 5, 5], timesteps=2)
     assert state.timestep == 0 and state.block_steps == 0 and state.current_block == 1

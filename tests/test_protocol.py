@@ -67,12 +67,11 @@ def test_fixed_schedule_splits_each_block_into_equal_shares():
         RequestState.new(1, [1], 8, block_length=8, mask_token_id=M, temperature=-1.0)
 
 
-def test_apply_advances_the_engine_copy_like_the_worker():
+def test_commit_advances_the_state_block_by_block():
     s = RequestState.new(1, [1], 8, block_length=4, mask_token_id=M)
-    out = StepOutput(1, StepKind.RECOMPUTE, 0, [0, 2], [5, 6], (0.1,) * 5, 6, False)
-    s.apply(out)
+    s.commit(0, [0, 2], [5, 6])
     assert s.output_ids[:4] == [5, M, 6, M] and s.steps_done == 1 and s.block_steps == 1
-    s.apply(StepOutput(1, StepKind.CACHE, 0, [1, 3], [7, 8], (0.1,) * 5, 4, False))
+    s.commit(0, [1, 3], [7, 8])
     assert s.current_block == 1 and s.block_steps == 0 and s.complete_blocks == 1
 
 
@@ -80,22 +79,17 @@ def test_messages_round_trip_through_msgpack():
     state = RequestState.new(
         7, [1, 2], 8, block_length=4, mask_token_id=M, stop_token_ids=[3], temperature=0.5
     )
-    command = StepCommand(
-        step=3,
-        entries=[StepEntry(7, 0.9, StepKind.RECOMPUTE)],
-        admit=[state],
-        release=[4, 5],
+    command = StepCommand.of(
+        3, [StepEntry(7, 0.9, StepKind.RECOMPUTE)], admit=[state], release=[4, 5]
     )
     assert decode_engine_message(encode(command)) == command
     assert decode_engine_message(encode(Shutdown())) == Shutdown()
-    report = StepReport(
-        step=3,
-        outputs=[StepOutput(7, StepKind.CACHE, 1, [4], [9], (0.1, 0.2, 0.3, 0.3, 0.4), 3, False)],
-        forward_tokens=12,
-        seconds=0.01,
-    )
+    report = StepReport(step=3, forward_tokens=12, seconds=0.01)
+    row = StepOutput(7, StepKind.CACHE, 1, [4, 6], [9, 2], (0.1, 0.2, 0.3, 0.3, 0.4), False)
+    report.add(row)
     decoded = decode_worker_message(encode(report))
-    assert decoded == report and decoded.outputs[0].kind is StepKind.CACHE
+    assert decoded == report and decoded.outputs == [row]
+    assert decoded.outputs[0].kind is StepKind.CACHE
     ready = WorkerReady(1, 0, 42, CacheMode.DUAL, 64, None, 512, 46, "cpu")
     assert decode_worker_message(encode(ready)) == ready
 
@@ -110,7 +104,7 @@ def test_bad_frames_raise_protocol_error(frame):
 
 
 def test_a_wrongly_typed_field_is_a_protocol_error():
-    frame = encode(StepCommand(step=1, entries=[StepEntry(1, 0.5, StepKind.CACHE)]))
+    frame = encode(StepCommand.of(1, [StepEntry(1, 0.5, StepKind.CACHE)]))
     bad = frame.replace(b"cache", b"cachX")
     with pytest.raises(ProtocolError):
         decode_engine_message(bad)

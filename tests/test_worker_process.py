@@ -27,9 +27,7 @@ def _state(runner, rid, prompt=(1, 2, 3)):
 def test_admits_steps_and_releases(runner):
     report = execute(
         runner,
-        StepCommand(
-            step=5, entries=[StepEntry(1, 1.0, StepKind.RECOMPUTE)], admit=[_state(runner, 1)]
-        ),
+        StepCommand.of(5, [StepEntry(1, 1.0, StepKind.RECOMPUTE)], admit=[_state(runner, 1)]),
     )
     assert report.step == 5 and report.failure is None and not report.errors
     assert [o.request_id for o in report.outputs] == [1]
@@ -41,15 +39,15 @@ def test_admits_steps_and_releases(runner):
 def test_a_refused_request_does_not_stop_the_others(runner):
     mask = runner.config.mask_token_id
     bad = RequestState(2, [mask], [mask] * BLOCK, BLOCK, mask)  # prompt holds the mask token
-    command = StepCommand(
-        step=1,
-        admit=[_state(runner, 1), bad, _state(runner, 3)],
-        entries=[
+    command = StepCommand.of(
+        1,
+        [
             StepEntry(1, 1.0, StepKind.RECOMPUTE),
             StepEntry(2, 1.0, StepKind.RECOMPUTE),
             StepEntry(3, 1.0, StepKind.CACHE),  # no K/V here yet
             StepEntry(4, 1.0, StepKind.RECOMPUTE),  # never admitted
         ],
+        admit=[_state(runner, 1), bad, _state(runner, 3)],
     )
     report = execute(runner, command)
     assert [o.request_id for o in report.outputs] == [1]
@@ -65,6 +63,6 @@ def test_a_failed_step_changes_nothing(runner, monkeypatch):
         raise RuntimeError("CUDA out of memory")
 
     monkeypatch.setattr(runner.model, "forward", out_of_memory)
-    report = execute(runner, StepCommand(step=2, entries=[StepEntry(1, 1.0, StepKind.RECOMPUTE)]))
+    report = execute(runner, StepCommand.of(2, [StepEntry(1, 1.0, StepKind.RECOMPUTE)]))
     assert report.failure is not None and "out of memory" in report.failure
     assert runner.state(1) == before

@@ -297,12 +297,6 @@ class RequestState:
         self.block_steps = self.block_steps + 1 if block_open else 0
         self.timestep = self.timestep + timesteps if block_open else 0
 
-    def apply(self, output: StepOutput) -> None:
-        """Advances this copy of the state by a step's report (the engine's bookkeeping)."""
-        self.commit(
-            output.block, output.committed_positions, output.committed_tokens, output.timesteps
-        )
-
 
 @dataclass(frozen=True)
 class StepEntry:
@@ -313,33 +307,74 @@ class StepEntry:
     kind: StepKind
 
 
+def _same_lengths(what: str, **columns: Sequence[object]) -> None:
+    lengths = {name: len(c) for name, c in columns.items()}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"{what} columns differ in length: {lengths}")
+
+
 @dataclass
 class StepCommand:
     """What an instance does next. Residency changes apply before the step: `release`
     drops requests that left (finished elsewhere, migrated, cancelled), `admit` takes in
-    requests new to this instance with their token state. An empty `entries` runs no step
-    (the worker only applies residency changes and answers)."""
+    requests new to this instance with their token state. The step's entries are columns
+    (`requests`, `taus`, `kinds`: request i steps at τ `taus[i]` with step kind
+    `kinds[i]`), so the engine builds a command from the scheduler's packed decisions
+    without an object per entry. No entries: no step (the worker only applies residency
+    changes and answers)."""
 
     step: int
-    entries: list[StepEntry] = field(default_factory=list)
+    requests: list[int] = field(default_factory=list)
+    taus: list[float] = field(default_factory=list)
+    kinds: list[StepKind] = field(default_factory=list)
     admit: list[RequestState] = field(default_factory=list)
     release: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _same_lengths("step command", requests=self.requests, taus=self.taus, kinds=self.kinds)
+
+    @classmethod
+    def of(
+        cls,
+        step: int,
+        entries: Sequence[StepEntry] = (),
+        *,
+        admit: Sequence[RequestState] = (),
+        release: Sequence[int] = (),
+    ) -> StepCommand:
+        """A command from entry objects (tests, tools)."""
+        return cls(
+            step,
+            [e.request_id for e in entries],
+            [e.tau for e in entries],
+            [e.kind for e in entries],
+            list(admit),
+            list(release),
+        )
+
+    def entries(self) -> list[StepEntry]:
+        return [
+            StepEntry(r, t, k) for r, t, k in zip(self.requests, self.taus, self.kinds, strict=True)
+        ]
+
+
+#: Confidence statistics a step reports per request: min, q25, median, mean, q75 of the
+#: confidences of the current block's positions that were masked when the step began (the
+#: step predictor's confidence features). A step that completes its block reports them
+#: too; they describe a finished block.
+CONFIDENCE_STATS = 5
 
 
 @dataclass(frozen=True)
 class StepOutput:
-    """What one step did to one request."""
+    """What one step did to one request (a row of a `StepReport`)."""
 
     request_id: int
     kind: StepKind
     block: int
     committed_positions: list[int]  # output-relative indices
     committed_tokens: list[int]
-    # min, q25, median, mean, q75 of the confidences of the current block's positions that
-    # were masked when the step began (the step predictor's confidence features). A step
-    # that completes its block reports them too; they describe a finished block.
     confidence_stats: tuple[float, float, float, float, float]
-    num_masked: int
     done: bool
     #: Steps of Dream's grid the step passed (more than one where steps that would commit
     #: nothing were skipped); 1 outside Dream's schedule.
@@ -357,15 +392,77 @@ class RequestError:
 
 @dataclass
 class StepReport:
-    """An instance's answer to one `StepCommand`."""
+    """An instance's answer to one `StepCommand`. What the step did to each request is a
+    set of columns, one row per request (`StepOutput` is a row): request i committed
+    `counts[i]` positions of output block `blocks[i]`, listed in `positions` / `tokens`
+    after those of the rows before it, with `CONFIDENCE_STATS` values in `confidence`. The
+    engine applies the columns to its token state and its scheduler in one call."""
 
     step: int
-    outputs: list[StepOutput] = field(default_factory=list)
+    requests: list[int] = field(default_factory=list)
+    kinds: list[StepKind] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    confidence: list[float] = field(default_factory=list)
+    done: list[bool] = field(default_factory=list)
+    timesteps: list[int] = field(default_factory=list)
     errors: list[RequestError] = field(default_factory=list)
     forward_tokens: int = 0  # tokens that went through the model
     seconds: float = 0.0  # the step's compute time on the worker
     # Set when the whole step failed (e.g. out of memory): nothing of it was applied.
     failure: str | None = None
+
+    def __post_init__(self) -> None:
+        _same_lengths(
+            "step report",
+            requests=self.requests,
+            kinds=self.kinds,
+            blocks=self.blocks,
+            counts=self.counts,
+            done=self.done,
+            timesteps=self.timesteps,
+        )
+        if len(self.confidence) != CONFIDENCE_STATS * len(self.requests):
+            raise ValueError(f"step report: {len(self.confidence)} confidence values")
+        _same_lengths("step report", positions=self.positions, tokens=self.tokens)
+        if sum(self.counts) != len(self.positions):
+            raise ValueError("step report: counts do not add up to the positions")
+
+    def add(self, output: StepOutput) -> None:
+        """Appends one request's row."""
+        self.requests.append(output.request_id)
+        self.kinds.append(output.kind)
+        self.blocks.append(output.block)
+        self.counts.append(len(output.committed_positions))
+        self.positions += output.committed_positions
+        self.tokens += output.committed_tokens
+        self.confidence += output.confidence_stats
+        self.done.append(output.done)
+        self.timesteps.append(output.timesteps)
+
+    @property
+    def outputs(self) -> list[StepOutput]:
+        """The rows as objects (offline tools and tests; the engine reads the columns)."""
+        rows, offset = [], 0
+        for i, rid in enumerate(self.requests):
+            n = self.counts[i]
+            stats = self.confidence[CONFIDENCE_STATS * i : CONFIDENCE_STATS * (i + 1)]
+            rows.append(
+                StepOutput(
+                    rid,
+                    self.kinds[i],
+                    self.blocks[i],
+                    self.positions[offset : offset + n],
+                    self.tokens[offset : offset + n],
+                    tuple(stats),  # type: ignore[arg-type]
+                    self.done[i],
+                    self.timesteps[i],
+                )
+            )
+            offset += n
+        return rows
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import numpy as np
 
@@ -39,6 +39,9 @@ from dilaserve._core import (
 )
 from dilaserve.settings import Schema, settings_class, settings_values
 
+if TYPE_CHECKING:
+    from dilaserve.protocol import StepReport
+
 __all__ = [
     "POLICY_SETTINGS",
     "PRESETS",
@@ -47,6 +50,7 @@ __all__ = [
     "Batch",
     "BatchEntry",
     "Decisions",
+    "FinishedOutput",
     "FinishedRequest",
     "InstanceInfo",
     "InvalidInstanceError",
@@ -55,6 +59,7 @@ __all__ = [
     "LatencyProfileError",
     "Migration",
     "Policy",
+    "ReportOutcome",
     "RequestInfo",
     "Scheduler",
     "SchedulerConfig",
@@ -62,6 +67,7 @@ __all__ = [
     "SchedulerError",
     "StepReportError",
     "StepResult",
+    "TokenState",
     "UnknownInstanceError",
     "UnknownRequestError",
     "Waiting",
@@ -277,6 +283,40 @@ class FinishedRequest:
     first_dispatch: float | None
     deadline: float
     arrival: float
+
+
+class TokenState(NamedTuple):
+    """A live request's token state as the scheduler keeps it (see `Scheduler.arrive`)."""
+
+    output_ids: list[int]
+    steps_done: int
+    #: Steps run in the current block, and Dream grid steps passed in it.
+    block_steps: int
+    timestep: int
+    #: Generated positions that hold a token so far (cut before a stop token).
+    completion_tokens: int
+
+
+class FinishedOutput(NamedTuple):
+    """A request that finished in a step: how it was served and what it generated."""
+
+    served: FinishedRequest
+    #: Output ids cut before the first stop token.
+    generated: list[int]
+    #: Of those, positions that hold a token.
+    completion_tokens: int
+
+
+class ReportOutcome(NamedTuple):
+    """What applying a step report changed that the caller must hear of; the per-request
+    work of a step stays in the core."""
+
+    finished: list[FinishedOutput]
+    #: `(request, complete ids)` of requests whose blocks completed in this step: all the
+    #: ids of their complete blocks, cut before a stop token (text that never changes).
+    updates: list[tuple[int, list[int]]]
+    #: `(τ, steps, tokens committed)` of the step's threshold-rule requests, per τ.
+    rates: list[tuple[float, int, int]]
 
 
 @dataclass(frozen=True)
@@ -505,8 +545,17 @@ class Scheduler:
         thresholds: Sequence[float] | None = None,
         explicit_deadline: bool = True,
         pinned_tau: float | None = None,
+        mask_token: int | None = None,
+        stop_tokens: Sequence[int] = (),
+        fixed_schedule: bool = False,
     ) -> None:
         """Admits a request; `deadline` is absolute, on the clock of `schedule(now)`.
+
+        With `mask_token` (and `block_length`) the scheduler also keeps the request's token
+        state: step reports are then applied with `apply_report`, which knows the request
+        is done once every output position is unmasked or one of `stop_tokens` is committed
+        with everything before it unmasked. `fixed_schedule`: the request ignores τ (its
+        commits are left out of `ReportOutcome.rates`).
 
         `thresholds` restricts the candidates it may run at; `pinned_tau` instead runs every
         step at exactly that value, a candidate or not (planned with the nearest
@@ -530,7 +579,38 @@ class Scheduler:
             thresholds=None if thresholds is None else list(thresholds),
             explicit_deadline=explicit_deadline,
             pinned_tau=pinned_tau,
+            mask_token=mask_token,
+            stop_tokens=list(stop_tokens),
+            fixed_schedule=fixed_schedule,
         )
+
+    def apply_report(self, instance: int, measured_s: float, report: StepReport) -> ReportOutcome:
+        """Applies a worker's step report (its columns, one call into the core) to the
+        token state of the requests that arrived with one and to the scheduler, as
+        `step_done` does, all or nothing: a report that does not match the batch in flight
+        or the token state (a position outside its block or already unmasked) raises
+        `StepReportError` and changes nothing. Rows naming requests cancelled while the
+        step ran are ignored."""
+        finished, updates, rates = self._core.apply_report(
+            instance,
+            measured_s,
+            report.requests,
+            report.blocks,
+            report.counts,
+            report.positions,
+            report.tokens,
+            report.confidence,
+            report.timesteps,
+        )
+        return ReportOutcome(
+            [FinishedOutput(FinishedRequest(*f), ids, n) for f, ids, n in finished],
+            updates,
+            rates,
+        )
+
+    def token_state(self, request_id: int) -> TokenState:
+        """The token state of a live request that arrived with a mask token."""
+        return TokenState(*self._core.token_state(request_id))
 
     def step_done(
         self, instance: int, measured_s: float, results: Iterable[StepResult]

@@ -9,6 +9,8 @@ pub mod profile;
 pub mod scheduler;
 pub mod settings;
 pub mod sim;
+pub mod step_report;
+pub mod tokens;
 
 #[cfg(feature = "python")]
 mod bindings;

@@ -17,16 +17,16 @@ def test_a_threshold_measured_often_enough_replaces_the_assumption():
     rates = OnlineRates(ASSUMED)
     assumed = dict(rates.table)
     for _ in range(MIN_STEPS - 1):
-        rates.record(0.9, 1)
+        rates.record(0.9, 1, 1)
     assert dict(rates.table) == assumed and rates.measured == ()
-    revised = any(rates.record(0.9, 1) for _ in range(REVISE_EVERY))
+    revised = any(rates.record(0.9, 1, 1) for _ in range(REVISE_EVERY))
     table = dict(rates.table)
     assert revised and rates.measured == (0.9,) and table[0.9] == 1.0
     # The unmeasured thresholds keep the assumption's shape, scaled to what was measured.
     scale = 1.0 / assumed[0.9]
     assert table[0.5] == max(1.0, scale * assumed[0.5])
     assert [r for _, r in rates.table] == sorted((r for _, r in rates.table), reverse=True)
-    assert rates.record(0.55, 3) is False  # a pinned τ between candidates is not counted
+    assert rates.record(0.55, 1, 3) is False  # a pinned τ between candidates is not counted
 
 
 def test_an_unmeasured_model_learns_its_rates_and_keeps_default_slo_requests_at_the_top(

@@ -74,7 +74,7 @@ async def start_and_wait_for_progress(engine, problems, instance: int) -> list[a
         asyncio.ensure_future(engine.complete(p.prompt, params(p, **PINNED))) for p in problems
     ]
     while not any(
-        engine.instance_of(r.id) == instance and r.state.steps_done
+        engine.instance_of(r.id) == instance and engine.stats_of(r.id).steps
         for r in engine._requests.values()
     ):
         await asyncio.sleep(0.001)
@@ -164,7 +164,7 @@ def test_cancel_frees_capacity(make_engine):
         engine = h.engine
         a = engine.add_request(long_a.prompt, params(long_a, **pinned))
         b = engine.add_request(long_b.prompt, params(long_b, **pinned))
-        while not (a.state.steps_done and b.state.steps_done):
+        while not (engine.stats_of(a.id).steps and engine.stats_of(b.id).steps):
             await asyncio.sleep(0.001)
         third = asyncio.ensure_future(engine.complete(short.prompt, params(short)))
         await asyncio.sleep(0.05)
@@ -282,7 +282,7 @@ def test_a_pinned_threshold_is_what_the_worker_ran_and_the_statistics_report(sha
     send = engine._channel.send
 
     def spy(worker_id, message):
-        sent.extend(e.tau for e in getattr(message, "entries", ()))
+        sent.extend(getattr(message, "taus", ()))
         return send(worker_id, message)
 
     (problem,) = make_problems(1, SEED + 1, tasks=("add",))

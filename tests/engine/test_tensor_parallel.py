@@ -75,7 +75,7 @@ def test_a_killed_rank_brings_its_instance_down_and_its_requests_resume(make_eng
         while not (
             inst.inflight is not None
             and any(
-                engine.instance_of(r.id) == 0 and r.state.steps_done
+                engine.instance_of(r.id) == 0 and engine.stats_of(r.id).steps
                 for r in engine._requests.values()
             )
         ):

@@ -149,7 +149,7 @@ def test_node_removed_under_load_loses_nothing_and_replans(live, cluster):
         on_victim = {i.id for i in engine.instances.values() if i.node == busiest}
         await _until(
             lambda: any(
-                engine.instance_of(r.id) in on_victim and r.state.steps_done
+                engine.instance_of(r.id) in on_victim and engine.stats_of(r.id).steps
                 for r in engine._requests.values()
             )
         )

@@ -54,7 +54,7 @@ def test_killed_worker_and_reconfiguration_through_the_server(start_server):
     async def kill_and_reconfigure() -> None:
         await wait_for(
             lambda: any(
-                engine.instance_of(r.id) == 0 and r.state.steps_done
+                engine.instance_of(r.id) == 0 and engine.stats_of(r.id).steps
                 for r in engine._requests.values()
             )
         )

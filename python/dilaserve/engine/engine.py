@@ -7,6 +7,11 @@ reports, worker start-ups and exits are handled as they come, each leaving the s
 consistent; then one scheduling round (under a millisecond, run inline) decides the next
 batch of every idle instance, and each batch goes out as one `StepCommand` that also
 carries the token state of requests new to that instance and the ids that left it.
+
+The step path handles no per-request object: a batch leaves as the columns of the
+scheduler's packed decisions, and a report's columns are applied to the authoritative
+token state and to the scheduler in one call into the core (`Scheduler.apply_report`).
+Per request, the engine acts only on events: a finished request, newly complete blocks.
 """
 
 from __future__ import annotations
@@ -19,12 +24,13 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 
+import numpy as np
+
 from dilaserve.predictor.serving import predictor_for
 from dilaserve.protocol import (
     RequestState,
     Shutdown,
     StepCommand,
-    StepEntry,
     StepKind,
     StepReport,
     WorkerLeaving,
@@ -32,11 +38,12 @@ from dilaserve.protocol import (
     WorkerReady,
 )
 from dilaserve.scheduler import (
+    STEP_KINDS,
     AdmissionError,
-    Batch,
+    Decisions,
     Scheduler,
     SchedulerError,
-    StepResult,
+    StepReportError,
 )
 from dilaserve.tiny import default_model_dir
 
@@ -64,6 +71,9 @@ from .status import EngineStatus, InstanceStatus, PlanStatus
 from .transport import SendError, WorkerChannel
 
 log = logging.getLogger(__name__)
+
+#: `StepKind` of each of the core's step kind codes, indexed by code.
+_KIND_OF_CODE = np.array([StepKind(k) for k in STEP_KINDS], dtype=object)
 
 #: How long a worker may take to load its model and report ready.
 READY_TIMEOUT_S = 300.0
@@ -203,12 +213,10 @@ class Engine:
         source = "learned" if self.rates.measured else "assumed"
         return {"source": source, "measured": self.rates.measured, "table": self.rates.table}
 
-    def _learn_rates(self, req: TrackedRequest, tau: float, committed: int) -> None:
-        """Counts a step at `tau` towards the served model's rates; adopts a revised
-        table."""
-        if self.rates is None or req.state.steps_per_block is not None:
-            return
-        if not self.rates.record(tau, committed):
+    def _learn_rates(self, tau: float, steps: int, committed: int) -> None:
+        """Counts `steps` threshold-rule steps at `tau` towards the served model's rates;
+        adopts a revised table."""
+        if self.rates is None or not self.rates.record(tau, steps, committed):
             return
         table = self.rates.table
         log.info(
@@ -277,6 +285,9 @@ class Engine:
                 thresholds=thresholds,
                 explicit_deadline=params.slo_s is not None,
                 pinned_tau=pinned,
+                mask_token=state.mask_token_id,
+                stop_tokens=state.stop_token_ids,
+                fixed_schedule=state.steps_per_block is not None,
             )
         except AdmissionError as exc:
             raise OverloadedError(str(exc)) from exc
@@ -341,7 +352,10 @@ class Engine:
         req = self._requests.get(request_id)
         if req is None:
             return None
-        return req.stats(self.scheduler.served_so_far(request_id), self.now())
+        tokens = self.scheduler.token_state(request_id)
+        return req.stats(
+            self.scheduler.served_so_far(request_id), tokens.completion_tokens, self.now()
+        )
 
     def instance_of(self, request_id: int) -> int | None:
         """The instance holding a live request's state (None: none does)."""
@@ -608,35 +622,26 @@ class Engine:
             req = self._requests.get(error.request_id)
             if req is not None:
                 self._fail(req, RequestFailedError(error.message))
-        results = []
-        stepped = []
-        for out in report.outputs:
-            req = self._requests.get(out.request_id)
-            if req is None:
-                continue  # cancelled while its step ran
-            req.apply(out)
-            self._learn_rates(req, step.taus[req.id], len(out.committed_tokens))
-            stepped.append(req)
-            results.append(
-                StepResult(
-                    out.request_id, len(out.committed_tokens), out.confidence_stats, out.done
-                )
-            )
-        finished = {f.id: f for f in self.scheduler.step_done(inst.id, measured, results)}
+        try:
+            outcome = self.scheduler.apply_report(inst.id, measured, report)
+        except StepReportError as exc:
+            log.error("instance %d: step %d: bad report: %s", inst.id, step.number, exc)
+            self._abort(inst)
+            return
         times = self.step_times
         times.steps += 1
         times.worker_s += report.seconds
         times.round_trip_s += measured
         times.predicted_s += step.predicted_s
-        for req in stepped:
-            served = finished.get(req.id)
-            if served is not None:
-                self._requests.pop(req.id)
-                text = self._decode(req.state.generated_ids())
-                req.outputs.put_nowait(req.finish(text, served, now))
-            elif req.new_blocks():
-                ids = req.complete_ids()
-                req.outputs.put_nowait(req.update(ids, self._decode(ids)))
+        for tau, steps, committed in outcome.rates:
+            self._learn_rates(tau, steps, committed)
+        for rid, ids in outcome.updates:
+            req = self._requests[rid]
+            req.outputs.put_nowait(req.update(ids, self._decode(ids)))
+        for finished in outcome.finished:
+            req = self._requests.pop(finished.served.id)
+            text = self._decode(finished.generated)
+            req.outputs.put_nowait(req.finish(finished, text, now))
 
     def _abort(self, inst: InstanceRecord) -> None:
         """The step in flight on `inst` did not happen: its requests run again (from the
@@ -668,8 +673,8 @@ class Engine:
         self._rounds += 1
         now = self.now()
         decisions = self.scheduler.schedule(now)
-        for batch in decisions.batches:
-            self._dispatch(self.instances[batch.instance], batch, now)
+        for batch, instance_id in enumerate(decisions.batch_instances.tolist()):
+            self._dispatch(self.instances[instance_id], decisions, batch, now)
         for instance_id in self.scheduler.drained_instances():
             inst = self.instances.get(instance_id)
             if inst is not None and inst.stopping and not inst.shutdown_sent:
@@ -677,21 +682,25 @@ class Engine:
                 inst.shutdown_sent = True
                 self._send(inst, Shutdown())
 
-    def _dispatch(self, inst: InstanceRecord, batch: Batch, now: float) -> None:
-        """Sends the scheduler's batch as it decided it: its releases, the token state of
-        requests new there, and each entry's τ and step kind."""
-        command = StepCommand(step=next(self._step_numbers), release=list(batch.release))
-        for e in batch.entries:
-            if e.new_here:
-                command.admit.append(self._requests[e.request].state.copy())
-            command.entries.append(StepEntry(e.request, e.tau, StepKind(e.kind)))
-        sent = self.now()
-        inst.inflight = InflightStep(
-            command.step,
-            sent,
-            {e.request: e.tau for e in batch.entries},
-            batch.predicted_finish - now,
+    def _dispatch(self, inst: InstanceRecord, decisions: Decisions, batch: int, now: float) -> None:
+        """Sends the scheduler's `batch` as it decided it, from its packed columns: its
+        releases, the token state of requests new there, and each entry's τ and step
+        kind."""
+        d = decisions
+        start = int(d.batch_starts[batch])
+        entries = slice(start, start + int(d.batch_lens[batch]))
+        releases = int(d.batch_release_starts[batch])
+        command = StepCommand(
+            step=next(self._step_numbers),
+            requests=d.entry_requests[entries].tolist(),
+            taus=d.entry_taus[entries].tolist(),
+            kinds=_KIND_OF_CODE[d.entry_kinds[entries]].tolist(),
+            release=d.releases[releases : releases + int(d.batch_release_lens[batch])].tolist(),
         )
+        for rid in d.entry_requests[entries][d.entry_new_here[entries] != 0].tolist():
+            command.admit.append(self._requests[rid].resumable(self.scheduler.token_state(rid)))
+        sent = self.now()
+        inst.inflight = InflightStep(command.step, sent, float(d.batch_finish[batch]) - now)
         if inst.reported_at is not None and inst.reported_at[1] == self._rounds:
             self.step_times.dispatch_gap_s += sent - inst.reported_at[0]
         inst.reported_at = None

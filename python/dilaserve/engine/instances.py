@@ -15,8 +15,6 @@ from .launcher import WorkerHandle
 class InflightStep:
     number: int
     sent_at: float
-    #: τ of each request's step, as sent, by request id.
-    taus: dict[int, float]
     #: The scheduler's estimate of its duration (the latency profile's).
     predicted_s: float = 0.0
 

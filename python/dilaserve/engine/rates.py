@@ -32,13 +32,14 @@ class OnlineRates:
         #: The current table, `(τ, tokens per step)` ascending; the assumption until learned.
         self.table = tuple(self.assumed.items())
 
-    def record(self, tau: float, committed: int) -> bool:
-        """Counts one request's step; returns whether the table was revised."""
+    def record(self, tau: float, steps: int, committed: int) -> bool:
+        """Counts `steps` request steps at `tau` that committed `committed` tokens in all;
+        returns whether the table was revised."""
         if tau not in self._steps:
             return False  # a pinned τ between the candidates
-        self._steps[tau] += 1
+        self._steps[tau] += steps
         self._tokens[tau] += committed
-        self._since_revision += 1
+        self._since_revision += steps
         if self._since_revision < REVISE_EVERY:
             return False
         self._since_revision = 0

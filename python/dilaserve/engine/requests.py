@@ -1,20 +1,21 @@
-"""The engine's copy of each request's token state, and what callers receive.
+"""What the engine keeps of each live request, and what callers receive.
 
-After every step the engine applies the worker's report to its own copy of the token
-state, so a worker can be lost without losing a request: the copy is what a migration or
-a restart sends to the next instance. Where a request lives and how it was served (its
-steps, τ, instances, migrations) is the scheduler's record (`FinishedRequest`), not kept
-here a second time. Text is streamed a block at a time, once every position of the block is
-committed, so text already sent never changes.
+The authoritative token state of a request is the core's (`Scheduler.token_state`): every
+step report is applied to it in one call, so a worker can be lost without losing a
+request, and that state is what a migration or a restart sends to the next instance. Where
+a request lives and how it was served (its steps, τ, instances, migrations) is the core's
+record too (`FinishedRequest`). The engine keeps the request as admitted (prompt and
+decoding options), its output queue and the text sent so far. Text is streamed a block at
+a time, once every position of the block is committed, so text already sent never changes.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from dilaserve.protocol import RequestState, StepOutput
-from dilaserve.scheduler import FinishedRequest
+from dilaserve.protocol import RequestState
+from dilaserve.scheduler import FinishedOutput, FinishedRequest, TokenState
 
 
 @dataclass(frozen=True)
@@ -64,12 +65,12 @@ class RequestOutput:
 class TrackedRequest:
     """Everything the engine knows of one live request."""
 
+    #: The request as admitted: prompt and decoding options. Its progress is the core's.
     state: RequestState
     arrival: float
     slo_s: float
     outputs: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
     failed_steps: int = 0
-    sent_blocks: int = 0
     sent_text: str = ""
 
     @property
@@ -80,35 +81,30 @@ class TrackedRequest:
     def deadline(self) -> float:
         return self.arrival + self.slo_s
 
-    def apply(self, output: StepOutput) -> None:
-        self.state.apply(output)
-
-    def new_blocks(self) -> bool:
-        return self.state.complete_blocks > self.sent_blocks
+    def resumable(self, tokens: TokenState) -> RequestState:
+        """The token state an instance that does not hold the request needs."""
+        return replace(
+            self.state,
+            output_ids=tokens.output_ids,
+            steps_done=tokens.steps_done,
+            block_steps=tokens.block_steps,
+            timestep=tokens.timestep,
+        )
 
     def update(self, ids: list[int], text: str) -> RequestOutput:
         """The update carrying `ids` and their decoded `text`, and what is new in it."""
-        self.sent_blocks = self.state.complete_blocks
         delta = text[len(self.sent_text) :] if text.startswith(self.sent_text) else ""
         self.sent_text = self.sent_text + delta
         return RequestOutput(self.id, self.sent_text, delta, ids)
 
-    def complete_ids(self) -> list[int]:
-        """Output ids of the complete blocks, cut before EOS."""
-        state = self.state
-        ids = state.output_ids[: state.complete_blocks * state.block_length]
-        stop = state.stop_position
-        return ids[:stop] if stop is not None and stop < len(ids) else ids
-
-    def stats(self, served: FinishedRequest, now: float) -> RequestStats:
+    def stats(self, served: FinishedRequest, completion_tokens: int, now: float) -> RequestStats:
         """How the request has been served so far (final once it finished), from the
-        scheduler's record of it."""
+        core's record of it."""
         latency = now - self.arrival
-        mask = self.state.mask_token_id
         first = served.first_dispatch
         return RequestStats(
             prompt_tokens=self.state.prompt_length,
-            completion_tokens=sum(t != mask for t in self.state.generated_ids()),
+            completion_tokens=completion_tokens,
             steps=served.steps,
             recompute_steps=served.recompute_steps,
             taus=tuple(served.taus),
@@ -120,11 +116,17 @@ class TrackedRequest:
             slo_met=latency <= self.slo_s,
         )
 
-    def finish(self, text: str, served: FinishedRequest, now: float) -> RequestOutput:
-        """The last update; `text` decodes `state.generated_ids()`."""
-        update = self.update(self.state.generated_ids(), text)
-        reason = "stop" if self.state.stop_position is not None else "length"
-        stats = self.stats(served, now)
+    def finish(self, finished: FinishedOutput, text: str, now: float) -> RequestOutput:
+        """The last update; `text` decodes `finished.generated`."""
+        update = self.update(finished.generated, text)
+        stopped = len(finished.generated) < self.state.output_length
+        stats = self.stats(finished.served, finished.completion_tokens, now)
         return RequestOutput(
-            self.id, update.text, update.delta, update.token_ids, True, reason, stats
+            self.id,
+            update.text,
+            update.delta,
+            update.token_ids,
+            True,
+            "stop" if stopped else "length",
+            stats,
         )

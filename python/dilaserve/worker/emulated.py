@@ -3,7 +3,9 @@
 Each step takes the latency profile's time for its batch (its full-sequence tokens and its
 cache-step tokens, as the scheduler prices them) and commits, per request, a token count
 drawn from a progress model (`_core.ProgressSampler`, the simulator's draws), left to right
-in the current block. Everything above the workers — server, engine, scheduler, predictor,
+in the current block. A step reports as its time what it took here (`StepReport.seconds`):
+the profile's time plus the host loop's timer lateness (under a millisecond), the time the
+instance was busy. Everything above the workers — server, engine, scheduler, predictor,
 planner, migration, reconfiguration, launchers — runs unchanged, so a cluster of hundreds
 of GPUs can be tested on a laptop.
 
@@ -138,11 +140,11 @@ class EmulatedInstance:
                 errors.append(RequestError(state.request_id, "already on this instance"))
                 continue
             self.held[state.request_id] = _admitted(state)
-        entries = [e for e in command.entries if e.request_id in self.held]
+        entries = [e for e in command.entries() if e.request_id in self.held]
         errors += [
-            RequestError(e.request_id, f"request {e.request_id} is not on this instance")
-            for e in command.entries
-            if e.request_id not in self.held
+            RequestError(rid, f"request {rid} is not on this instance")
+            for rid in command.requests
+            if rid not in self.held
         ]
         if not entries:
             return StepReport(step=command.step, errors=errors)
@@ -163,16 +165,15 @@ class EmulatedInstance:
         seconds = self.emulation.step_seconds(
             self.tp, full, cache, context / cache_steps if cache_steps else 0.0
         )
-        outputs = [
-            _commit(self.held[e.request_id], e.kind, n)
-            for e, n in zip(entries, counts, strict=True)
-        ]
-        for out in outputs:
+        report = StepReport(command.step, errors=errors, forward_tokens=full + cache)
+        for e, n in zip(entries, counts, strict=True):
+            out = _commit(self.held[e.request_id], e.kind, n)
+            report.add(out)
             if out.done:
                 del self.held[out.request_id]
         await asyncio.sleep(max(0.0, seconds - (time.perf_counter() - started)))
-        tokens = full + cache
-        return StepReport(command.step, outputs, errors, forward_tokens=tokens, seconds=seconds)
+        report.seconds = time.perf_counter() - started
+        return report
 
 
 def _admitted(state: RequestState) -> _Held:
@@ -199,7 +200,6 @@ def _commit(h: _Held, kind: StepKind, count: int) -> StepOutput:
         positions,
         tokens,
         NO_CONFIDENCE,
-        state.output_length - end,
         done,
     )
 

@@ -87,7 +87,7 @@ def execute(runner: StepRunner, command: StepCommand) -> StepReport:
             errors.append(RequestError(state.request_id, str(exc)))
             refused.add(state.request_id)
     entries = []
-    for entry in command.entries:
+    for entry in command.entries():
         if entry.request_id in refused:
             continue
         try:
@@ -202,7 +202,7 @@ def _serve_engine(settings: WorkerSettings, runner: StepRunner) -> int:
                 return 0
             started = time.perf_counter()
             report = execute(runner, message)
-            if not message.entries:
+            if not message.requests:
                 report.seconds = time.perf_counter() - started
             socket.send(encode(report))
     finally:

@@ -263,9 +263,11 @@ class StepRunner:
             outputs = self._commit(batch, held, columns, logits, tau, sampling)
         fed = packed.ids.numel()
         self.forward_tokens += fed
-        return StepReport(
-            step=0, outputs=outputs, forward_tokens=fed, seconds=time.perf_counter() - started
-        )
+        report = StepReport(step=0, forward_tokens=fed)
+        for output in outputs:
+            report.add(output)
+        report.seconds = time.perf_counter() - started
+        return report
 
     def check_entry(self, entry: StepEntry) -> None:
         """Raises `StepRejectedError` (or `RequestNotHeldError`) if `entry` cannot run here."""
@@ -485,7 +487,6 @@ class StepRunner:
             committed_positions=positions,
             committed_tokens=tokens,
             confidence_stats=tuple(stats),  # type: ignore[arg-type]
-            num_masked=state.num_masked,
             done=done,
             timesteps=timesteps,
         )

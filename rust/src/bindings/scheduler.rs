@@ -18,6 +18,8 @@ use crate::scheduler::{
     SchedulerConfig, StepPredictor, StepResult, PRESETS,
 };
 use crate::settings::Described;
+use crate::step_report::{apply_report, PackedReport};
+use crate::tokens::{TokenSpec, TokenTable};
 
 create_exception!(
     dilaserve._core,
@@ -184,7 +186,18 @@ fn policy_named_json(name: &str) -> PyResult<String> {
 #[pyclass(name = "Scheduler", module = "dilaserve._core")]
 pub struct PyScheduler {
     pub(super) inner: Scheduler,
+    /// Token state of the requests that arrived with a mask token (the engine's).
+    tokens: TokenTable,
 }
+
+/// What `apply_report` returns: finished requests as `(finished tuple, generated ids,
+/// completion tokens)`, `(id, complete ids)` of requests with newly complete blocks, and
+/// `(τ, steps, tokens)` of the threshold-rule commits.
+type ReportTuple = (
+    Vec<(FinishedTuple, Vec<u32>, usize)>,
+    Vec<(u64, Vec<u32>)>,
+    Vec<(f64, u32, u64)>,
+);
 
 #[pymethods]
 impl PyScheduler {
@@ -214,6 +227,7 @@ impl PyScheduler {
         };
         Ok(Self {
             inner: Scheduler::with_predictor(profile.inner.clone(), config, predictor)?,
+            tokens: TokenTable::default(),
         })
     }
 
@@ -250,9 +264,12 @@ impl PyScheduler {
 
     #[pyo3(signature = (
         id, *, arrival, deadline, prompt_len, output_len, priority=0, block_length=None,
-        thresholds=None, explicit_deadline=true, pinned_tau=None,
+        thresholds=None, explicit_deadline=true, pinned_tau=None, mask_token=None,
+        stop_tokens=Vec::new(), fixed_schedule=false,
     ))]
     #[allow(clippy::too_many_arguments)]
+    /// With `mask_token`, the scheduler also keeps the request's token state (see
+    /// `apply_report`); `block_length` is then required.
     fn arrive(
         &mut self,
         id: Id,
@@ -265,9 +282,23 @@ impl PyScheduler {
         thresholds: Option<Vec<f64>>,
         explicit_deadline: bool,
         pinned_tau: Option<f64>,
+        mask_token: Option<u32>,
+        stop_tokens: Vec<u32>,
+        fixed_schedule: bool,
     ) -> PyResult<()> {
         let id = id.0;
         let invalid = |reason| SchedError::InvalidRequest { id, reason };
+        let tokens = mask_token
+            .map(|mask| {
+                Ok::<_, SchedError>(TokenSpec {
+                    output_len: count("output_len", output_len, invalid)?,
+                    block_length: count("block_length", block_length.unwrap_or(0), invalid)?,
+                    mask,
+                    stops: stop_tokens,
+                    fixed_schedule,
+                })
+            })
+            .transpose()?;
         let spec = RequestSpec {
             id,
             arrival,
@@ -282,7 +313,75 @@ impl PyScheduler {
             pinned_tau,
             explicit_deadline,
         };
-        Ok(self.inner.arrive(spec)?)
+        let mut table = TokenTable::default();
+        if let Some(tokens) = &tokens {
+            table.insert(id, tokens).map_err(|e| invalid(e.reason))?;
+        }
+        self.inner.arrive(spec)?;
+        if let Some(tokens) = &tokens {
+            self.tokens.insert(id, tokens).expect("checked above");
+        }
+        Ok(())
+    }
+
+    /// Applies a packed step report of `instance` to the token state and the scheduler in
+    /// one call, all or nothing (`StepReportError`); see `dilaserve.scheduler.Scheduler`.
+    #[allow(clippy::too_many_arguments)]
+    fn apply_report(
+        &mut self,
+        instance: Id,
+        measured_s: f64,
+        requests: Vec<u64>,
+        blocks: Vec<u32>,
+        counts: Vec<u32>,
+        positions: Vec<u32>,
+        tokens: Vec<u32>,
+        confidence: Vec<f64>,
+        timesteps: Vec<u32>,
+    ) -> PyResult<ReportTuple> {
+        let report = PackedReport {
+            requests: &requests,
+            blocks: &blocks,
+            counts: &counts,
+            positions: &positions,
+            tokens: &tokens,
+            confidence: &confidence,
+            timesteps: &timesteps,
+        };
+        let out = apply_report(
+            &mut self.inner,
+            &mut self.tokens,
+            instance.0,
+            measured_s,
+            &report,
+        )?;
+        Ok((
+            out.finished
+                .into_iter()
+                .map(|f| (finished_tuple(&f.served), f.generated, f.completion_tokens))
+                .collect(),
+            out.updates,
+            out.rates
+                .into_iter()
+                .map(|r| (r.tau, r.steps, r.tokens))
+                .collect(),
+        ))
+    }
+
+    /// A live request's token state: `(output ids, steps done, steps in the current block,
+    /// Dream grid steps passed in it, completion tokens so far)`.
+    fn token_state(&self, id: Id) -> PyResult<(Vec<u32>, u32, u32, u32, usize)> {
+        let t = self
+            .tokens
+            .get(id.0)
+            .ok_or(SchedError::UnknownRequest(id.0))?;
+        Ok((
+            t.output().to_vec(),
+            t.steps_done,
+            t.block_steps,
+            t.timestep,
+            t.completion_tokens(),
+        ))
     }
 
     /// Applies a step report: `(request, committed, confidence or None, finished)` per
@@ -313,6 +412,9 @@ impl PyScheduler {
             })
             .collect::<Result<Vec<_>, SchedError>>()?;
         let finished = self.inner.step_done(instance, measured_s, &parsed)?;
+        for f in finished {
+            self.tokens.remove(f.id);
+        }
         Ok(finished.iter().map(finished_tuple).collect())
     }
 
@@ -322,7 +424,9 @@ impl PyScheduler {
     }
 
     fn cancel(&mut self, id: Id) -> PyResult<()> {
-        Ok(self.inner.cancel(id.0)?)
+        self.inner.cancel(id.0)?;
+        self.tokens.remove(id.0);
+        Ok(())
     }
 
     #[pyo3(signature = (

@@ -262,6 +262,24 @@ impl Scheduler {
 
     /// Validates a step report, leaving `(position, result index)` pairs in
     /// `scratch.reported`.
+    /// Checks a step report as [`Scheduler::step_done`] would, changing nothing, so that a
+    /// caller can apply the report elsewhere first (the engine's token state) and know the
+    /// scheduler will take it. `finished` flags are not checked.
+    pub fn check_step_report(
+        &mut self,
+        instance: u64,
+        measured_s: f64,
+        results: &[StepResult],
+    ) -> Result<(), SchedError> {
+        let slot = self.instances.slot_of(instance)?;
+        self.check_report(slot, measured_s, results)
+    }
+
+    /// The τ of a live request's last dispatched step (its step in flight, if any).
+    pub fn last_tau(&self, id: u64) -> Result<f64, SchedError> {
+        Ok(self.requests.last_tau(self.requests.pos_of(id)?))
+    }
+
     fn check_report(
         &mut self,
         inst_slot: u32,
