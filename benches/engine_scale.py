@@ -9,8 +9,10 @@ Lines (JSON):
   closed-loop clients share that process: an upper bound of the engine's own time);
 - `http_idle_share_16inst`: the 16-instance load sent through the HTTP server by a separate
   load-generator process;
-- `worker_host_ms_per_step_b1`, `worker_host_ms_per_step_b64`: a real worker's time per step
-  outside the model's forward (packing, commit, host reads), tiny model, dual cache.
+- `worker_host_ms_per_step_b1`, `worker_host_ms_per_step_b64`: a real worker's host time
+  per step (packing, the host read, applying the commit), tiny model, dual cache: outside
+  the model's forward and the commit's kernels, which a GPU runs (the commit is one fused
+  launch); `with_commit_kernels_ms` counts those kernels too, as they run on this CPU.
 
 The machine's cores are split: the engine (and the direct clients) on core 0, the emulated
 workers and the HTTP load generator on the others (where the machine has them).
@@ -159,8 +161,11 @@ async def over_http(instances: int, profile: str, seconds: float) -> float:
             await asyncio.to_thread(load.wait)
 
 
-def worker_host_ms(batch: int, steps: int) -> float:
-    """A real worker's time per step outside the model's forward (tiny model, dual cache)."""
+def worker_host_ms(batch: int, steps: int) -> tuple[float, float]:
+    """A real worker's time per step on the host (tiny model, dual cache): outside the
+    model's forward and the commit's kernels (on a GPU both are device work; the commit
+    is one fused launch), and, second, with the commit's kernels counted as host time (on
+    this CPU they run here)."""
     import torch
 
     from dilaserve.models import encode_prompt, load_model, load_tokenizer
@@ -174,20 +179,24 @@ def worker_host_ms(batch: int, steps: int) -> float:
     model = load_model(model_dir)
     tokenizer = load_tokenizer(model_dir)
     runner = StepRunner(model, cache="dual", max_requests=batch)
+    spent = {"forward": 0.0, "commit": 0.0}
+
+    def timed(name, fn):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            spent[name] += time.perf_counter() - start
+            return out
+
+        return run
+
     forward = runner_module.forward_logits
-    spent = [0.0]
-
-    def timed(*args, **kwargs):
-        start = time.perf_counter()
-        out = forward(*args, **kwargs)
-        spent[0] += time.perf_counter() - start
-        return out
-
-    runner_module.forward_logits = timed
+    runner_module.forward_logits = timed("forward", forward)
+    runner._scores_and_commit = timed("commit", runner._scores_and_commit)
     try:
         ids = encode_prompt(tokenizer, PROMPT)
         mask = model.config.mask_token_id
-        total = 0.0
+        host = kernels = 0.0
         measured = 0
         rid = 0
         while measured < steps:
@@ -200,16 +209,17 @@ def worker_host_ms(batch: int, steps: int) -> float:
                 live.append(rid)
             while live and measured < steps:
                 entries = [StepEntry(r, 0.9, runner.next_kind(r)) for r in live]
-                spent[0] = 0.0
+                spent.update(forward=0.0, commit=0.0)
                 start = time.perf_counter()
                 report = runner.step(entries)
-                total += time.perf_counter() - start - spent[0]
+                host += time.perf_counter() - start - spent["forward"] - spent["commit"]
+                kernels += spent["commit"]
                 measured += 1
                 done = {o.request_id for o in report.outputs if o.done}
                 live = [r for r in live if r not in done]
             for r in live:
                 runner.release(r)
-        return 1000 * total / measured
+        return 1000 * host / measured, 1000 * (host + kernels) / measured
     finally:
         runner_module.forward_logits = forward
 
@@ -236,8 +246,14 @@ def main() -> None:
         share = asyncio.run(over_http(instances, fast, seconds))
         emit("http_idle_share_16inst", share, "share", instances=instances)
     for batch in (1, 64):
-        ms = worker_host_ms(batch, 20 if args.quick else 200)
-        emit(f"worker_host_ms_per_step_b{batch}", ms, "ms", batch=batch)
+        ms, with_kernels = worker_host_ms(batch, 20 if args.quick else 200)
+        emit(
+            f"worker_host_ms_per_step_b{batch}",
+            ms,
+            "ms",
+            batch=batch,
+            with_commit_kernels_ms=round(with_kernels, 4),
+        )
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ combines the ranks' vocabulary partials instead of logits (`follower`).
 from __future__ import annotations
 
 import contextlib
-import itertools
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -72,7 +71,7 @@ class _Held:
     extent, and whether that extent holds K/V a cache step may read."""
 
     state: RequestState
-    tokens: list[int]  # prompt + output ids
+    tokens: np.ndarray  # prompt + output ids (int64), the step's host-side source
     extent: bool
     # The extent holds K/V of the current block's recompute step: a cache step may read it.
     cache_valid: bool = False
@@ -195,7 +194,7 @@ class StepRunner:
             raise TokenStateError(f"request {rid}: token id outside the vocabulary [0, {vocab})")
         if self.pool is not None:
             self.pool.allocate(rid, state.seq_length)
-        tokens = state.prompt_ids + state.output_ids
+        tokens = np.array(state.prompt_ids + state.output_ids, dtype=np.int64)
         self._held[rid] = _Held(state.copy(), tokens, extent=self.pool is not None)
 
     def state(self, request_id: int) -> RequestState:
@@ -249,8 +248,9 @@ class StepRunner:
         started = time.perf_counter()
         held = self._check_batch(batch)
         kinds = [e.kind for e in batch]
-        columns = [self._masked_in_block(h) for h in held]
-        packed = self._pack(held, kinds, columns)
+        starts = [h.block_start for h in held]
+        columns = [self._masked_in_block(h, s) for h, s in zip(held, starts, strict=True)]
+        packed = self._pack(held, kinds, starts, columns)
         tau = torch.tensor([e.tau for e in batch], dtype=torch.float32).to(self.device)
         # Rows sampled or scored by options need every logit: a TP step gathers them.
         sampling = RowSampling.of([h.state for h in held], self.device)
@@ -260,12 +260,9 @@ class StepRunner:
             logits = forward_logits(self.model, self.pool, packed)
             if self.group is not None and sampling is not None:
                 logits = full_vocab_logits(self.model, self.group, logits)  # type: ignore[arg-type]
-            outputs = self._commit(batch, held, columns, logits, tau, sampling)
-        fed = packed.ids.numel()
+            report = self._commit(batch, held, starts, columns, logits, tau, sampling)
+        report.forward_tokens = fed = packed.ids.numel()
         self.forward_tokens += fed
-        report = StepReport(step=0, forward_tokens=fed)
-        for output in outputs:
-            report.add(output)
         report.seconds = time.perf_counter() - started
         return report
 
@@ -312,63 +309,60 @@ class StepRunner:
         except Exception as exc:
             raise GroupLostError(f"rank 0 failed mid-step: {type(exc).__name__}: {exc}") from exc
 
-    def _masked_in_block(self, h: _Held) -> list[int]:
+    def _masked_in_block(self, h: _Held, start: int) -> np.ndarray:
         """Block positions still masked: the step's candidates (never empty for a request
-        that is not done)."""
-        block = h.tokens[h.block_start : h.block_start + h.state.block_length]
-        return [j for j, t in enumerate(block) if t == self.config.mask_token_id]
+        that is not done); `start` is the block's first sequence index."""
+        block = h.tokens[start : start + h.state.block_length]
+        return (block == self.config.mask_token_id).nonzero()[0]
 
-    def _window(self, h: _Held, kind: StepKind) -> tuple[int, int]:
+    def _window(self, h: _Held, kind: StepKind, start: int) -> tuple[int, int]:
         """The sequence positions `[begin, end)` a row feeds: all of them for a full step;
         for a cache step the block (dual) or block + suffix (prefix). A model whose logits
         are shifted (Dream) also needs the hidden state of the position before the block."""
         if kind is not StepKind.CACHE:
             return 0, h.state.seq_length
-        begin = h.block_start - self.config.logit_shift
+        begin = start - self.config.logit_shift
         if self.cache_mode is CacheMode.DUAL:
-            return begin, h.block_start + h.state.block_length
+            return begin, start + h.state.block_length
         return begin, h.state.seq_length
 
     def _pack(
-        self, rows: list[_Held], kinds: list[StepKind], columns: list[list[int]]
+        self,
+        rows: list[_Held],
+        kinds: list[StepKind],
+        starts: list[int],
+        columns: list[np.ndarray],
     ) -> PackedBatch:
         """The step's one packed model call: every row's window, concatenated; logits for
-        the block positions `columns` of each row."""
-        windows = [self._window(h, k) for h, k in zip(rows, kinds, strict=True)]
-        lengths = [e - b for b, e in windows]
-        starts = list(itertools.accumulate(lengths, initial=0))
-        ids = list(
-            itertools.chain.from_iterable(
-                h.tokens[b:e] for h, (b, e) in zip(rows, windows, strict=True)
-            )
-        )
-        # Fed token t of row i sits at position begin_i + (t - start_i).
-        shift = torch.tensor([b - s for (b, _), s in zip(windows, starts, strict=False)])
-        positions = torch.repeat_interleave(shift, torch.tensor(lengths)) + torch.arange(starts[-1])
+        the block positions `columns` of each row (whose blocks begin at `starts`)."""
+        windows = [self._window(h, k, s) for h, k, s in zip(rows, kinds, starts, strict=True)]
+        begins = np.array([b for b, _ in windows])
+        lengths = np.array([e - b for b, e in windows])
+        offsets = np.concatenate(([0], np.cumsum(lengths)))
+        ids = np.concatenate([h.tokens[b:e] for h, (b, e) in zip(rows, windows, strict=True)])
+        # Fed token t of row i sits at position begin_i + (t - offset_i).
+        positions = np.arange(offsets[-1]) + np.repeat(begins - offsets[:-1], lengths)
         # Logits only for the block's still-masked positions (the candidates), in position
-        # order; masked position j of row i is fed token start_i + (block_start_i - shift -
+        # order; masked position j of row i is fed token offset_i + (start_i - shift -
         # begin_i) + j. Rows with fewer repeat their last one; those columns are no candidates.
-        width = max(len(c) for c in columns)
-        first = [
-            s + h.block_start - self.config.logit_shift - b
-            for h, s, (b, _) in zip(rows, starts, windows, strict=False)
-        ]
-        index = torch.tensor(
-            [
-                [f + j for j in c + c[-1:] * (width - len(c))]
-                for f, c in zip(first, columns, strict=True)
-            ]
-        )
+        counts = np.array([len(c) for c in columns])
+        padded = np.empty((len(rows), counts.max()), dtype=np.int64)
+        for row, c in zip(padded, columns, strict=True):
+            row[: len(c)] = c
+            row[len(c) :] = c[-1]
+        first = offsets[:-1] + np.array(starts) - self.config.logit_shift - begins
+        index = torch.from_numpy(first[:, None] + padded)
+        positions_t = torch.from_numpy(positions)
         slots = reads = None
         if self.pool is not None:
             bases = [self.pool.base(h.state.request_id) for h in rows]
-            slots = positions + torch.repeat_interleave(torch.tensor(bases), torch.tensor(lengths))
+            slots = torch.from_numpy(positions + np.repeat(np.array(bases), lengths))
             slots = slots.to(self.device, non_blocking=True)
             reads = tuple((base, h.state.seq_length) for base, h in zip(bases, rows, strict=True))
         return PackedBatch(
-            torch.tensor(ids).to(self.device, non_blocking=True),
-            positions.to(self.device, non_blocking=True),
-            tuple(lengths),
+            torch.from_numpy(ids).to(self.device, non_blocking=True),
+            positions_t.to(self.device, non_blocking=True),
+            tuple(lengths.tolist()),
             index.to(self.device, non_blocking=True),
             slots,
             reads,
@@ -378,11 +372,12 @@ class StepRunner:
         self,
         batch: Sequence[StepEntry],
         rows: list[_Held],
-        columns: list[list[int]],
+        starts: list[int],
+        columns: list[np.ndarray],
         logits: torch.Tensor,
         tau: torch.Tensor,
         sampling: RowSampling | None,
-    ) -> list[StepOutput]:
+    ) -> StepReport:
         """Commits by the threshold rule; logits column j of row i is its block position
         `columns[i][j]` (every one a candidate, lowest position first)."""
         width = logits.shape[1]
@@ -392,7 +387,8 @@ class StepRunner:
         ids = torch.full(
             (len(rows), width), self.config.mask_token_id, dtype=torch.long, device=self.device
         )
-        result, timesteps = self._scores_and_commit(rows, logits, sampling, candidate, tau, ids)
+        schedule = RowSchedule([h.state for h in rows], self.device)
+        result, timesteps = self._scores_and_commit(logits, sampling, schedule, candidate, tau, ids)
         # The step's one device read: committed flags, new ids, confidences and grid steps.
         host = (
             torch.cat(
@@ -407,37 +403,34 @@ class StepRunner:
             .cpu()
             .numpy()
         )
-        committed = host[:, :width].astype(bool).tolist()
-        new_ids = host[:, width : 2 * width].astype(np.int64).tolist()
+        committed = host[:, :width] != 0
+        new_ids = host[:, width : 2 * width].astype(np.int64)
         stats = confidence_stats(host[:, 2 * width : 3 * width], on_host).tolist()
         passed = host[:, -1].astype(np.int64).tolist()
-        return [
-            self._advance(
-                e,
-                h,
-                [
-                    (c, t)
-                    for c, t, hit in zip(columns[i], new_ids[i], committed[i], strict=False)
-                    if hit
-                ],
-                stats[i],
-                passed[i],
+        report = StepReport(step=0)
+        for i, (e, h) in enumerate(zip(batch, rows, strict=True)):
+            n = len(columns[i])
+            hit = committed[i, :n]
+            report.add(
+                self._advance(
+                    e, h, starts[i], columns[i][hit], new_ids[i, :n][hit], stats[i], passed[i]
+                )
             )
-            for i, (e, h) in enumerate(zip(batch, rows, strict=True))
-        ]
+        return report
 
     def _scores_and_commit(
         self,
-        rows: list[_Held],
         logits: torch.Tensor,
         sampling: RowSampling | None,
+        schedule: RowSchedule,
         candidate: torch.Tensor,
         tau: torch.Tensor,
         ids: torch.Tensor,
     ) -> tuple[CommitResult, torch.Tensor]:
         """Each row's tokens and confidences (the argmax, or sampled and scored by its
         options), its commit — the threshold rule, or its share of the fixed schedule — and
-        the steps of Dream's grid it passed."""
+        the steps of Dream's grid it passed. Device work only (the step's kernels after
+        the forward), so that a benchmark can tell the host's share of a step."""
         if sampling is None and self.group is None:
             result = confidence_commit(logits, candidate, tau, ids)  # one fused pass
             rank = result.confidence
@@ -449,27 +442,28 @@ class StepRunner:
             x0, confidence = argmax_confidence(logits, candidate)
             x0, confidence, rank = sampling.apply(logits, x0, confidence, self._noise)
             result = threshold_commit(x0, confidence, candidate, tau, ids)
-        schedule = RowSchedule([h.state for h in rows], self.device)
         return schedule.commit(result, rank, candidate, tau, ids, self.config.mask_token_id)
 
     def _advance(
         self,
         entry: StepEntry,
         h: _Held,
-        picked: list[tuple[int, int]],
+        start: int,
+        picked: np.ndarray,
+        tokens: np.ndarray,
         stats: list[float],
         timesteps: int,
     ) -> StepOutput:
-        """Applies one row's commit — (block position, token) pairs, and the steps of
-        Dream's grid it passed — to its host-side state (no device work)."""
+        """Applies one row's commit — block positions `picked` (from the block's first
+        sequence index `start`) take `tokens`, and the steps of Dream's grid it passed — to
+        its host-side state (no device work)."""
         state = h.state
-        size, start = state.block_length, h.block_start
+        h.tokens[start + picked] = tokens
         out_start = start - state.prompt_length
-        for j, token in picked:
-            h.tokens[start + j] = token
-        positions = [out_start + j for j, _ in picked]
-        tokens = [t for _, t in picked]
-        state.commit(out_start // size, positions, tokens, timesteps)
+        block = out_start // state.block_length
+        positions = (picked + out_start).tolist()
+        committed = tokens.tolist()
+        state.commit(block, positions, committed, timesteps)
         # Every step writes the fed tokens' K/V; only a recompute step refreshes the rest
         # of the sequence, which a cache step of the same block reads.
         h.cache_valid = (
@@ -483,9 +477,9 @@ class StepRunner:
         return StepOutput(
             request_id=state.request_id,
             kind=entry.kind,
-            block=out_start // size,
+            block=block,
             committed_positions=positions,
-            committed_tokens=tokens,
+            committed_tokens=committed,
             confidence_stats=tuple(stats),  # type: ignore[arg-type]
             done=done,
             timesteps=timesteps,
