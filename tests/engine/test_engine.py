@@ -18,6 +18,7 @@ from dilaserve.engine import (
     RequestCancelledError,
     UnknownRequestError,
 )
+from dilaserve.protocol import StepReport
 from dilaserve.tiny.tasks import check, gen_length, make_problems
 
 SEED = 424_242
@@ -295,3 +296,27 @@ def test_a_pinned_threshold_is_what_the_worker_ran_and_the_statistics_report(sha
     assert sent == [0.73] * out.stats.steps
     ref = decode_alone(problem.prompt, gen_length(problem, 32), out.stats.taus)
     assert out.token_ids == ref.output_ids
+
+
+def test_a_report_that_does_not_fit_the_token_state_is_rerun_not_applied(shared_engine):
+    """A worker's report committing a position outside its block is refused whole by the
+    core; the step's requests run again from the core's token state and decode as alone."""
+    engine = shared_engine.engine
+    receive = engine._channel._on_message
+    corrupted = []
+
+    def corrupt_first_report(worker_id, message):
+        if isinstance(message, StepReport) and message.positions and not corrupted:
+            message.positions[0] += 10_000
+            corrupted.append(message.step)
+        return receive(worker_id, message)
+
+    (problem,) = make_problems(1, SEED + 3, tasks=("add",))
+    shared_engine.call(setattr, engine._channel, "_on_message", corrupt_first_report)
+    try:
+        out = shared_engine.run(engine.complete(problem.prompt, params(problem, threshold=0.9)))
+    finally:
+        shared_engine.call(setattr, engine._channel, "_on_message", receive)
+    assert corrupted
+    ref = decode_alone(problem.prompt, gen_length(problem, 32), out.stats.taus)
+    assert out.token_ids == ref.output_ids and check(problem, out.text)
