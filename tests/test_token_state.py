@@ -116,8 +116,8 @@ def test_a_bad_report_changes_neither_the_tokens_nor_the_scheduler():
     }
     s = serving({rid: st_.copy() for rid, st_ in states.items()})
     s.schedule(0.0)
-    good = StepOutput(1, StepKind.RECOMPUTE, 0, [0], [5], (0.5,) * 5, False)
-    outside = StepOutput(2, StepKind.RECOMPUTE, 0, [5], [5], (0.5,) * 5, False)
+    good = StepOutput(1, StepKind.RECOMPUTE, 0, [0], [5], (0.5,) * CONFIDENCE_STATS, False)
+    outside = StepOutput(2, StepKind.RECOMPUTE, 0, [5], [5], (0.5,) * CONFIDENCE_STATS, False)
     report = StepReport(step=1)
     report.add(good)
     report.add(outside)

@@ -9,6 +9,9 @@ STEP_KINDS: tuple[str, ...]
 WAIT_REASONS: tuple[str, ...]
 THRESHOLD_REASONS: tuple[str, ...]
 MIGRATION_REASONS: tuple[str, ...]
+#: A finished request: id, steps, recompute steps, taus, instances, migrations,
+#: first dispatch, deadline, arrival.
+_FinishedTuple = tuple[int, int, int, list[float], list[int], int, float | None, float, float]
 
 class LatencyProfileError(ValueError):
     """A latency profile is malformed or lacks a requested TP degree or step kind."""
@@ -110,13 +113,33 @@ class Scheduler:
         thresholds: list[float] | None = None,
         explicit_deadline: bool = True,
         pinned_tau: float | None = None,
+        mask_token: int | None = None,
+        stop_tokens: list[int] = ...,
+        fixed_schedule: bool = False,
     ) -> None: ...
     def step_done(
         self,
         instance: int,
         measured_s: float,
         results: list[tuple[int, int, tuple[float, float, float, float, float] | None, bool]],
-    ) -> list[tuple[int, int, int, list[float], list[int], int, float | None, float, float]]: ...
+    ) -> list[_FinishedTuple]: ...
+    def apply_report(
+        self,
+        instance: int,
+        measured_s: float,
+        requests: list[int],
+        blocks: list[int],
+        counts: list[int],
+        positions: list[int],
+        tokens: list[int],
+        confidence: list[float],
+        timesteps: list[int],
+    ) -> tuple[
+        list[tuple[_FinishedTuple, list[int], int]],
+        list[tuple[int, list[int]]],
+        list[tuple[float, int, int]],
+    ]: ...
+    def token_state(self, id: int) -> tuple[list[int], int, int, int, int]: ...
     def abort_step(self, instance: int) -> list[int]: ...
     def cancel(self, id: int) -> None: ...
     def add_instance(
@@ -136,9 +159,7 @@ class Scheduler:
     def remove_instance(self, id: int) -> None: ...
     def schedule(self, now: float) -> Decisions: ...
     def instance_ids(self) -> list[int]: ...
-    def served_so_far(
-        self, id: int
-    ) -> tuple[int, int, int, list[float], list[int], int, float | None, float, float]: ...
+    def served_so_far(self, id: int) -> _FinishedTuple: ...
     def request(self, id: int) -> dict[str, object]: ...
     def instance(self, id: int) -> dict[str, object]: ...
 
@@ -270,4 +291,3 @@ class ProgressSampler:
 
     def __init__(self, progress_json: str, seed: int) -> None: ...
     def sample(self, steps: list[tuple[float, int, int]]) -> list[int]: ...
-    def mean_rates(self) -> list[tuple[float, float]]: ...

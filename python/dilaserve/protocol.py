@@ -307,12 +307,6 @@ class StepEntry:
     kind: StepKind
 
 
-def _same_lengths(what: str, **columns: Sequence[object]) -> None:
-    lengths = {name: len(c) for name, c in columns.items()}
-    if len(set(lengths.values())) > 1:
-        raise ValueError(f"{what} columns differ in length: {lengths}")
-
-
 @dataclass
 class StepCommand:
     """What an instance does next. Residency changes apply before the step: `release`
@@ -331,7 +325,11 @@ class StepCommand:
     release: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        _same_lengths("step command", requests=self.requests, taus=self.taus, kinds=self.kinds)
+        if not len(self.requests) == len(self.taus) == len(self.kinds):
+            raise ValueError(
+                f"step command columns differ in length: {len(self.requests)} requests, "
+                f"{len(self.taus)} taus, {len(self.kinds)} kinds"
+            )
 
     @classmethod
     def of(
@@ -396,7 +394,9 @@ class StepReport:
     set of columns, one row per request (`StepOutput` is a row): request i committed
     `counts[i]` positions of output block `blocks[i]`, listed in `positions` / `tokens`
     after those of the rows before it, with `CONFIDENCE_STATS` values in `confidence`. The
-    engine applies the columns to its token state and its scheduler in one call."""
+    engine applies the columns to its token state and its scheduler in one call, which
+    checks them against each other and against the batch in flight (a malformed report
+    raises `StepReportError` there, and the step is run again)."""
 
     step: int
     requests: list[int] = field(default_factory=list)
@@ -414,33 +414,40 @@ class StepReport:
     # Set when the whole step failed (e.g. out of memory): nothing of it was applied.
     failure: str | None = None
 
-    def __post_init__(self) -> None:
-        _same_lengths(
-            "step report",
-            requests=self.requests,
-            kinds=self.kinds,
-            blocks=self.blocks,
-            counts=self.counts,
-            done=self.done,
-            timesteps=self.timesteps,
-        )
-        if len(self.confidence) != CONFIDENCE_STATS * len(self.requests):
-            raise ValueError(f"step report: {len(self.confidence)} confidence values")
-        _same_lengths("step report", positions=self.positions, tokens=self.tokens)
-        if sum(self.counts) != len(self.positions):
-            raise ValueError("step report: counts do not add up to the positions")
+    def add_row(
+        self,
+        request_id: int,
+        kind: StepKind,
+        block: int,
+        positions: list[int],
+        tokens: list[int],
+        confidence: Sequence[float],
+        done: bool,
+        timesteps: int = 1,
+    ) -> None:
+        """Appends one request's row (the fields of `StepOutput`)."""
+        self.requests.append(request_id)
+        self.kinds.append(kind)
+        self.blocks.append(block)
+        self.counts.append(len(positions))
+        self.positions += positions
+        self.tokens += tokens
+        self.confidence += confidence
+        self.done.append(done)
+        self.timesteps.append(timesteps)
 
     def add(self, output: StepOutput) -> None:
         """Appends one request's row."""
-        self.requests.append(output.request_id)
-        self.kinds.append(output.kind)
-        self.blocks.append(output.block)
-        self.counts.append(len(output.committed_positions))
-        self.positions += output.committed_positions
-        self.tokens += output.committed_tokens
-        self.confidence += output.confidence_stats
-        self.done.append(output.done)
-        self.timesteps.append(output.timesteps)
+        self.add_row(
+            output.request_id,
+            output.kind,
+            output.block,
+            output.committed_positions,
+            output.committed_tokens,
+            output.confidence_stats,
+            output.done,
+            output.timesteps,
+        )
 
     @property
     def outputs(self) -> list[StepOutput]:

@@ -91,11 +91,23 @@ impl PackedReport<'_> {
             timesteps: self.timesteps[i],
         }
     }
+
+    /// Where each request's positions start.
+    fn offsets(&self) -> Vec<usize> {
+        self.counts
+            .iter()
+            .scan(0, |next, &c| {
+                let offset = *next;
+                *next += c as usize;
+                Some(offset)
+            })
+            .collect()
+    }
 }
 
 /// Applies `report` of `instance`'s step (measured at `measured_s`) to `tokens` and to
-/// `scheduler`, all or nothing. Requests the table no longer holds were cancelled while the
-/// step ran and are skipped.
+/// `scheduler`, all or nothing. The scheduler says which rows apply: not those of requests
+/// cancelled while the step ran.
 pub fn apply_report(
     scheduler: &mut Scheduler,
     tokens: &mut TokenTable,
@@ -104,50 +116,57 @@ pub fn apply_report(
     report: &PackedReport<'_>,
 ) -> Result<ReportOutcome, SchedError> {
     report.check_shape(instance)?;
-    let mut results = Vec::with_capacity(report.requests.len());
-    let mut commits = Vec::with_capacity(report.requests.len());
-    let mut offset = 0;
-    for (i, &id) in report.requests.iter().enumerate() {
-        let commit = report.commit(i, offset);
-        offset += commit.positions.len();
-        if !tokens.contains(id) {
-            continue;
-        }
-        tokens
-            .check(id, &commit)
-            .map_err(|e| SchedError::BadStepReport {
-                instance,
-                reason: e.to_string(),
-            })?;
-        let stats = &report.confidence[i * CONFIDENCE_STATS..(i + 1) * CONFIDENCE_STATS];
-        let mut result = StepResult::new(id, report.counts[i]);
-        result.confidence = Some(stats.try_into().expect("five statistics"));
-        results.push(result);
-        commits.push(commit);
-    }
-    scheduler.check_step_report(instance, measured_s, &results)?;
+    let offsets = report.offsets();
+    let mut results: Vec<StepResult> = (0..report.requests.len())
+        .map(|i| {
+            let stats = &report.confidence[i * CONFIDENCE_STATS..(i + 1) * CONFIDENCE_STATS];
+            let mut result = StepResult::new(report.requests[i], report.counts[i]);
+            result.confidence = Some(stats.try_into().expect("five statistics"));
+            result
+        })
+        .collect();
     let mut outcome = ReportOutcome::default();
-    let mut rates: BTreeMap<u64, RateSample> = BTreeMap::new();
-    for (result, commit) in results.iter_mut().zip(&commits) {
-        let id = result.request;
-        if !tokens.get(id).is_some_and(|t| t.fixed_schedule()) {
-            let tau = scheduler.last_tau(id)?;
-            let sample = rates.entry(tau.to_bits()).or_insert(RateSample {
-                tau,
-                steps: 0,
-                tokens: 0,
-            });
-            sample.steps += 1;
-            sample.tokens += u64::from(result.committed);
-        }
-        let (done, complete) = tokens.apply(id, commit);
-        result.finished = done;
-        if let (false, Some(ids)) = (done, complete) {
-            outcome.updates.push((id, ids));
-        }
-    }
-    outcome.rates = rates.into_values().collect();
-    for served in scheduler.step_done(instance, measured_s, &results)? {
+    let finished =
+        scheduler.step_done_with(instance, measured_s, &mut results, |s, rows, results| {
+            // Every row is checked, and its τ read, before any is applied.
+            let mut taus = Vec::with_capacity(rows.len());
+            for &i in rows {
+                let id = report.requests[i];
+                let bad = |reason: String| SchedError::BadStepReport { instance, reason };
+                let state = tokens
+                    .get(id)
+                    .ok_or_else(|| bad(format!("request {id}: no token state is held for it")))?;
+                state
+                    .check(&report.commit(i, offsets[i]))
+                    .map_err(|reason| bad(format!("request {id}: {reason}")))?;
+                taus.push(
+                    (!state.fixed_schedule())
+                        .then(|| s.last_tau(id))
+                        .transpose()?,
+                );
+            }
+            let mut rates: BTreeMap<u64, RateSample> = BTreeMap::new();
+            for (&i, tau) in rows.iter().zip(taus) {
+                let id = report.requests[i];
+                if let Some(tau) = tau {
+                    let sample = rates.entry(tau.to_bits()).or_insert(RateSample {
+                        tau,
+                        steps: 0,
+                        tokens: 0,
+                    });
+                    sample.steps += 1;
+                    sample.tokens += u64::from(report.counts[i]);
+                }
+                let (done, complete) = tokens.apply(id, &report.commit(i, offsets[i]));
+                results[i].finished = done;
+                if let (false, Some(ids)) = (done, complete) {
+                    outcome.updates.push((id, ids));
+                }
+            }
+            outcome.rates = rates.into_values().collect();
+            Ok(())
+        })?;
+    for served in finished {
         let state = tokens
             .remove(served.id)
             .expect("a finished request had token state");
@@ -165,7 +184,7 @@ mod tests {
     use super::*;
     use crate::profile::{LatencyProfile, StepKind};
     use crate::scheduler::{InstanceSpec, RequestSpec, SchedulerConfig};
-    use crate::tokens::TokenSpec;
+    use crate::tokens::{TokenSpec, Tokens};
 
     fn profile() -> LatencyProfile {
         let points = vec![(32u64, 0.01), (4096, 0.05)];
@@ -184,20 +203,24 @@ mod tests {
         s.add_instance(InstanceSpec::new(0, 1, vec![0], 0)).unwrap();
         let mut t = TokenTable::default();
         for &id in requests {
-            let mut spec = RequestSpec::new(id, 0.0, 100.0, 8, 8);
-            spec.block_length = Some(4);
-            s.arrive(spec).unwrap();
-            let tokens = TokenSpec {
-                output_len: 8,
-                block_length: 4,
-                mask: MASK,
-                stops: vec![EOS],
-                fixed_schedule: false,
-            };
-            t.insert(id, &tokens).unwrap();
+            arrive(&mut s, &mut t, id);
         }
         s.schedule(0.0).unwrap();
         (s, t)
+    }
+
+    fn arrive(s: &mut Scheduler, t: &mut TokenTable, id: u64) {
+        let mut spec = RequestSpec::new(id, 0.0, 100.0, 8, 8);
+        spec.block_length = Some(4);
+        s.arrive(spec).unwrap();
+        let tokens = TokenSpec {
+            output_len: 8,
+            block_length: 4,
+            mask: MASK,
+            stops: vec![EOS],
+            fixed_schedule: false,
+        };
+        t.insert(id, Tokens::new(&tokens).unwrap());
     }
 
     fn report<'a>(
@@ -237,7 +260,7 @@ mod tests {
         assert_eq!(out.finished[0].generated, Vec::<u32>::new());
         assert_eq!(out.rates.len(), 1);
         assert_eq!((out.rates[0].steps, out.rates[0].tokens), (2, 5));
-        assert!(t.contains(1) && !t.contains(2));
+        assert!(t.get(1).is_some() && t.get(2).is_none());
         assert_eq!(s.request(1).unwrap().unmasked, 4);
     }
 

@@ -56,7 +56,8 @@ pub struct Commit<'a> {
 }
 
 impl Tokens {
-    fn new(spec: &TokenSpec) -> Result<Self, String> {
+    /// A fresh request's state, every position masked; why `spec` is bad, if it is.
+    pub fn new(spec: &TokenSpec) -> Result<Self, String> {
         if spec.block_length == 0
             || spec.output_len == 0
             || spec.output_len % spec.block_length != 0
@@ -201,19 +202,6 @@ impl Tokens {
     }
 }
 
-/// A request the table refused, and why.
-#[derive(Clone, Debug, PartialEq)]
-pub struct TokenError {
-    pub request: u64,
-    pub reason: String,
-}
-
-impl std::fmt::Display for TokenError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "request {}: {}", self.request, self.reason)
-    }
-}
-
 /// The token state of every live request, by id.
 #[derive(Default)]
 pub struct TokenTable {
@@ -221,13 +209,8 @@ pub struct TokenTable {
 }
 
 impl TokenTable {
-    pub fn insert(&mut self, id: u64, spec: &TokenSpec) -> Result<(), TokenError> {
-        let tokens = Tokens::new(spec).map_err(|reason| TokenError {
-            request: id,
-            reason,
-        })?;
+    pub fn insert(&mut self, id: u64, tokens: Tokens) {
         self.requests.insert(id, tokens);
-        Ok(())
     }
 
     pub fn remove(&mut self, id: u64) -> Option<Tokens> {
@@ -238,23 +221,7 @@ impl TokenTable {
         self.requests.get(&id)
     }
 
-    pub fn contains(&self, id: u64) -> bool {
-        self.requests.contains_key(&id)
-    }
-
-    /// Checks one request's commit; a request the table does not hold is an error.
-    pub fn check(&self, id: u64, commit: &Commit<'_>) -> Result<(), TokenError> {
-        let tokens = self.requests.get(&id).ok_or_else(|| TokenError {
-            request: id,
-            reason: "no token state is held for it".into(),
-        })?;
-        tokens.check(commit).map_err(|reason| TokenError {
-            request: id,
-            reason,
-        })
-    }
-
-    /// Applies a commit that passed [`TokenTable::check`]; returns whether the request is
+    /// Applies a commit that passed [`Tokens::check`]; returns whether the request is
     /// done and, when blocks were completed since the last time, its complete ids.
     pub fn apply(&mut self, id: u64, commit: &Commit<'_>) -> (bool, Option<Vec<u32>>) {
         let tokens = self
@@ -283,7 +250,7 @@ mod tests {
             stops: vec![EOS],
             fixed_schedule: false,
         };
-        t.insert(1, &spec).unwrap();
+        t.insert(1, Tokens::new(&spec).unwrap());
         t
     }
 
@@ -300,7 +267,7 @@ mod tests {
     fn blocks_complete_and_counters_follow_the_workers_rules() {
         let mut t = table(8, 4);
         let c = commit(0, &[1, 3], &[10, 11]);
-        t.check(1, &c).unwrap();
+        t.get(1).unwrap().check(&c).unwrap();
         assert_eq!(t.apply(1, &c), (false, None));
         let s = t.get(1).unwrap();
         assert_eq!((s.steps_done, s.block_steps, s.timestep), (1, 1, 1));
@@ -338,10 +305,10 @@ mod tests {
             (commit(0, &[1], &[MASK]), "mask token"),
             (commit(0, &[1, 2], &[3]), "differ"),
         ] {
-            let err = t.check(1, &c).unwrap_err();
-            assert!(err.reason.contains(reason), "{err}");
+            let err = t.get(1).unwrap().check(&c).unwrap_err();
+            assert!(err.contains(reason), "{err}");
         }
-        assert!(t.check(2, &commit(0, &[0], &[1])).is_err());
+        assert!(t.get(2).is_none());
         assert_eq!(t.get(1).unwrap().output(), &[MASK; 8]);
     }
 }

@@ -3,6 +3,7 @@ through an event loop on a background thread."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
@@ -32,6 +33,17 @@ class EngineHarness(LoopThread):
             return fn(*args)
 
         return self.run(call())
+
+    @contextlib.contextmanager
+    def patched(self, target: object, name: str, value: object) -> Iterator[None]:
+        """Sets `target.name` to `value` on the engine's loop for the block, then restores
+        it (a spy on the engine's transport, say)."""
+        original = getattr(target, name)
+        self.call(setattr, target, name, value)
+        try:
+            yield
+        finally:
+            self.call(setattr, target, name, original)
 
     def close(self) -> None:
         self.run(self.engine.shutdown(), timeout=60)

@@ -287,11 +287,8 @@ def test_a_pinned_threshold_is_what_the_worker_ran_and_the_statistics_report(sha
         return send(worker_id, message)
 
     (problem,) = make_problems(1, SEED + 1, tasks=("add",))
-    shared_engine.call(setattr, engine._channel, "send", spy)
-    try:
+    with shared_engine.patched(engine._channel, "send", spy):
         out = shared_engine.run(engine.complete(problem.prompt, params(problem, threshold=0.73)))
-    finally:
-        shared_engine.call(setattr, engine._channel, "send", send)
     assert out.stats.taus == (0.73,) * out.stats.steps and out.stats.steps > 0
     assert sent == [0.73] * out.stats.steps
     ref = decode_alone(problem.prompt, gen_length(problem, 32), out.stats.taus)
@@ -312,11 +309,8 @@ def test_a_report_that_does_not_fit_the_token_state_is_rerun_not_applied(shared_
         return receive(worker_id, message)
 
     (problem,) = make_problems(1, SEED + 3, tasks=("add",))
-    shared_engine.call(setattr, engine._channel, "_on_message", corrupt_first_report)
-    try:
+    with shared_engine.patched(engine._channel, "_on_message", corrupt_first_report):
         out = shared_engine.run(engine.complete(problem.prompt, params(problem, threshold=0.9)))
-    finally:
-        shared_engine.call(setattr, engine._channel, "_on_message", receive)
     assert corrupted
     ref = decode_alone(problem.prompt, gen_length(problem, 32), out.stats.taus)
     assert out.token_ids == ref.output_ids and check(problem, out.text)

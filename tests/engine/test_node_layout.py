@@ -4,6 +4,7 @@ node numbers. No worker runs here."""
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
@@ -48,12 +49,15 @@ def test_instances_that_do_not_fit_the_nodes_are_refused():
 
 
 def test_deployment_numbers_nodes_in_key_order_and_drops_lost_ones():
-    running = [
-        InstanceRecord(0, 1, (0,), node=9),
-        InstanceRecord(1, 2, (0, 1), node=3),
-        InstanceRecord(2, 1, (1,), node=4),  # its node has left
-        InstanceRecord(3, 1, (1,), node=9, stopping=True),
-    ]
+    async def records() -> list[InstanceRecord]:  # a record's futures need a loop
+        return [
+            InstanceRecord(0, 1, (0,), node=9),
+            InstanceRecord(1, 2, (0, 1), node=3),
+            InstanceRecord(2, 1, (1,), node=4),  # its node has left
+            InstanceRecord(3, 1, (1,), node=9, stopping=True),
+        ]
+
+    running = asyncio.run(records())
     r = reconfigurer({3: 2, 9: 2}, running)
     assert r.layout() == ([2, 2], [3, 9])
     deployment, ids = r.deployment()

@@ -690,14 +690,15 @@ class Engine:
         start = int(d.batch_starts[batch])
         entries = slice(start, start + int(d.batch_lens[batch]))
         releases = int(d.batch_release_starts[batch])
+        requests = d.entry_requests[entries]
         command = StepCommand(
             step=next(self._step_numbers),
-            requests=d.entry_requests[entries].tolist(),
+            requests=requests.tolist(),
             taus=d.entry_taus[entries].tolist(),
             kinds=_KIND_OF_CODE[d.entry_kinds[entries]].tolist(),
             release=d.releases[releases : releases + int(d.batch_release_lens[batch])].tolist(),
         )
-        for rid in d.entry_requests[entries][d.entry_new_here[entries] != 0].tolist():
+        for rid in requests[d.entry_new_here[entries] != 0].tolist():
             command.admit.append(self._requests[rid].resumable(self.scheduler.token_state(rid)))
         sent = self.now()
         inst.inflight = InflightStep(command.step, sent, float(d.batch_finish[batch]) - now)

@@ -295,7 +295,7 @@ class Reconfigurer:
                     continue
                 instance = ids[action.instance]
                 handover = _core.Replanner.handover(
-                    not self._last_serving(instance),
+                    self._others_serving(instance),
                     any(isinstance(a, LaunchAction) for a in actions[i + 1 :]),
                 )
                 log.info(
@@ -306,8 +306,6 @@ class Reconfigurer:
             engine.launches_pending -= launches
             engine.fail_if_unserved()
 
-    def _last_serving(self, instance_id: int) -> bool:
-        """No other instance is serving or starting up to take this one's requests."""
-        return not any(
-            i.id != instance_id and not i.stopping for i in self.engine.instances.values()
-        )
+    def _others_serving(self, instance_id: int) -> bool:
+        """Another instance is serving or starting up to take this one's requests."""
+        return any(i.id != instance_id and not i.stopping for i in self.engine.instances.values())

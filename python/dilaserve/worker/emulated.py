@@ -34,13 +34,13 @@ import zmq.asyncio
 
 from dilaserve import _core
 from dilaserve.protocol import (
+    CONFIDENCE_STATS,
     CacheMode,
     RequestError,
     RequestState,
     Shutdown,
     StepCommand,
     StepKind,
-    StepOutput,
     StepReport,
     WorkerLeaving,
     WorkerReady,
@@ -52,7 +52,7 @@ from dilaserve.scheduler import LatencyProfile
 log = logging.getLogger(__name__)
 
 #: Confidence features an emulated step reports: none (the scheduler drops non-finite ones).
-NO_CONFIDENCE = (float("nan"),) * 5
+NO_CONFIDENCE = (float("nan"),) * CONFIDENCE_STATS
 
 
 @dataclass
@@ -167,10 +167,8 @@ class EmulatedInstance:
         )
         report = StepReport(command.step, errors=errors, forward_tokens=full + cache)
         for e, n in zip(entries, counts, strict=True):
-            out = _commit(self.held[e.request_id], e.kind, n)
-            report.add(out)
-            if out.done:
-                del self.held[out.request_id]
+            if _commit(report, self.held[e.request_id], e.kind, n):
+                del self.held[e.request_id]
         await asyncio.sleep(max(0.0, seconds - (time.perf_counter() - started)))
         report.seconds = time.perf_counter() - started
         return report
@@ -183,8 +181,9 @@ def _admitted(state: RequestState) -> _Held:
     return _Held(state, state.output_length if first is None else first, token)
 
 
-def _commit(h: _Held, kind: StepKind, count: int) -> StepOutput:
-    """Unmasks the next `count` positions of the current block (left to right)."""
+def _commit(report: StepReport, h: _Held, kind: StepKind, count: int) -> bool:
+    """Unmasks the next `count` positions of the current block (left to right), adds the
+    row to `report`, and says whether the request is done."""
     state = h.state
     block = h.first_masked // state.block_length
     end = min((block + 1) * state.block_length, h.first_masked + max(1, count))
@@ -193,15 +192,8 @@ def _commit(h: _Held, kind: StepKind, count: int) -> StepOutput:
     state.commit(block, positions, tokens)
     h.first_masked = end
     done = end >= state.output_length
-    return StepOutput(
-        state.request_id,
-        kind,
-        block,
-        positions,
-        tokens,
-        NO_CONFIDENCE,
-        done,
-    )
+    report.add_row(state.request_id, kind, block, positions, tokens, NO_CONFIDENCE, done)
+    return done
 
 
 class Host:

@@ -47,7 +47,6 @@ from dilaserve.protocol import (
     RequestState,
     StepEntry,
     StepKind,
-    StepOutput,
     StepReport,
     TokenStateError,
 )
@@ -411,10 +410,8 @@ class StepRunner:
         for i, (e, h) in enumerate(zip(batch, rows, strict=True)):
             n = len(columns[i])
             hit = committed[i, :n]
-            report.add(
-                self._advance(
-                    e, h, starts[i], columns[i][hit], new_ids[i, :n][hit], stats[i], passed[i]
-                )
+            self._advance(
+                report, e, h, starts[i], columns[i][hit], new_ids[i, :n][hit], stats[i], passed[i]
             )
         return report
 
@@ -446,6 +443,7 @@ class StepRunner:
 
     def _advance(
         self,
+        report: StepReport,
         entry: StepEntry,
         h: _Held,
         start: int,
@@ -453,10 +451,10 @@ class StepRunner:
         tokens: np.ndarray,
         stats: list[float],
         timesteps: int,
-    ) -> StepOutput:
+    ) -> None:
         """Applies one row's commit — block positions `picked` (from the block's first
         sequence index `start`) take `tokens`, and the steps of Dream's grid it passed — to
-        its host-side state (no device work)."""
+        its host-side state (no device work), and adds its row to `report`."""
         state = h.state
         h.tokens[start + picked] = tokens
         out_start = start - state.prompt_length
@@ -474,13 +472,6 @@ class StepRunner:
         done = state.done
         if done:
             self._free_extent(state.request_id, h)
-        return StepOutput(
-            request_id=state.request_id,
-            kind=entry.kind,
-            block=block,
-            committed_positions=positions,
-            committed_tokens=committed,
-            confidence_stats=tuple(stats),  # type: ignore[arg-type]
-            done=done,
-            timesteps=timesteps,
+        report.add_row(
+            state.request_id, entry.kind, block, positions, committed, stats, done, timesteps
         )

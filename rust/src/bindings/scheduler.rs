@@ -19,7 +19,7 @@ use crate::scheduler::{
 };
 use crate::settings::Described;
 use crate::step_report::{apply_report, PackedReport};
-use crate::tokens::{TokenSpec, TokenTable};
+use crate::tokens::{TokenSpec, TokenTable, Tokens};
 
 create_exception!(
     dilaserve._core,
@@ -290,13 +290,14 @@ impl PyScheduler {
         let invalid = |reason| SchedError::InvalidRequest { id, reason };
         let tokens = mask_token
             .map(|mask| {
-                Ok::<_, SchedError>(TokenSpec {
+                let spec = TokenSpec {
                     output_len: count("output_len", output_len, invalid)?,
                     block_length: count("block_length", block_length.unwrap_or(0), invalid)?,
                     mask,
                     stops: stop_tokens,
                     fixed_schedule,
-                })
+                };
+                Tokens::new(&spec).map_err(invalid)
             })
             .transpose()?;
         let spec = RequestSpec {
@@ -313,13 +314,9 @@ impl PyScheduler {
             pinned_tau,
             explicit_deadline,
         };
-        let mut table = TokenTable::default();
-        if let Some(tokens) = &tokens {
-            table.insert(id, tokens).map_err(|e| invalid(e.reason))?;
-        }
         self.inner.arrive(spec)?;
-        if let Some(tokens) = &tokens {
-            self.tokens.insert(id, tokens).expect("checked above");
+        if let Some(tokens) = tokens {
+            self.tokens.insert(id, tokens);
         }
         Ok(())
     }

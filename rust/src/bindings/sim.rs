@@ -57,11 +57,6 @@ impl PyProgressSampler {
             .map(|(tau, unmasked, block)| self.model.sample(tau, unmasked, block, &mut self.rng))
             .collect()
     }
-
-    /// Mean tokens per step at each recorded threshold.
-    fn mean_rates(&self) -> Vec<(f64, f64)> {
-        self.model.mean_rates()
-    }
 }
 
 /// Checks a progress-model JSON document; returns it normalized.

@@ -68,20 +68,26 @@ pub struct Replanner {
     batch_tokens: BTreeMap<u32, u64>,
 }
 
+/// Why `options` cannot drive a replanner, if they cannot.
+fn check_options(options: &ReplanOptions) -> Result<(), PlannerError> {
+    for (name, value) in [
+        ("replan interval_s", options.interval_s),
+        ("replan window_s", options.window_s),
+    ] {
+        if !(value.is_finite() && value > 0.0) {
+            return Err(PlannerError::BadSetting {
+                name,
+                value,
+                reason: "must be positive and finite",
+            });
+        }
+    }
+    Ok(())
+}
+
 impl Replanner {
     pub fn new(options: ReplanOptions) -> Result<Self, PlannerError> {
-        for (name, value) in [
-            ("replan interval_s", options.interval_s),
-            ("replan window_s", options.window_s),
-        ] {
-            if !(value.is_finite() && value > 0.0) {
-                return Err(PlannerError::BadSetting {
-                    name,
-                    value,
-                    reason: "must be positive and finite",
-                });
-            }
-        }
+        check_options(&options)?;
         Ok(Self {
             next_plan: options.interval_s,
             options,
@@ -97,8 +103,8 @@ impl Replanner {
     /// New options (rates learned while serving, say); the arrivals, the batch sizes of
     /// the last adopted plan and the next plan's time stay.
     pub fn set_options(&mut self, options: ReplanOptions) -> Result<(), PlannerError> {
-        let fresh = Self::new(options)?;
-        self.options = fresh.options;
+        check_options(&options)?;
+        self.options = options;
         Ok(())
     }
 

@@ -201,6 +201,37 @@ impl Scheduler {
     ) -> Result<&[FinishedRequest], SchedError> {
         let inst_slot = self.instances.slot_of(instance)?;
         self.check_report(inst_slot, measured_s, results)?;
+        self.apply_step(inst_slot, measured_s, results)
+    }
+
+    /// [`Scheduler::step_done`] with a say of the caller's between the check and the
+    /// change, so that what the caller keeps of the report (the engine's token state) and
+    /// the scheduler take it together or not at all. `prepare` gets the scheduler and the
+    /// indices of the results it will apply (not those of requests cancelled while the step
+    /// ran, even if a new request has taken the id since); it may refuse the report,
+    /// leaving the scheduler unchanged, or set those results' `finished` flags, which the
+    /// check ignores.
+    pub fn step_done_with(
+        &mut self,
+        instance: u64,
+        measured_s: f64,
+        results: &mut [StepResult],
+        prepare: impl FnOnce(&Self, &[usize], &mut [StepResult]) -> Result<(), SchedError>,
+    ) -> Result<&[FinishedRequest], SchedError> {
+        let inst_slot = self.instances.slot_of(instance)?;
+        self.check_report(inst_slot, measured_s, results)?;
+        let rows: Vec<usize> = self.scratch.reported.iter().map(|&(_, i)| i).collect();
+        prepare(self, &rows, results)?;
+        self.apply_step(inst_slot, measured_s, results)
+    }
+
+    /// Applies a report that `check_report` passed (its rows are in `scratch.reported`).
+    fn apply_step(
+        &mut self,
+        inst_slot: u32,
+        measured_s: f64,
+        results: &[StepResult],
+    ) -> Result<&[FinishedRequest], SchedError> {
         let inst = &mut self.instances.slots[inst_slot as usize];
         inst.observe_step(measured_s, &mut self.group_factors[inst.group]);
         inst.inflight.clear();
@@ -260,26 +291,13 @@ impl Scheduler {
         Ok(&self.scratch.finished)
     }
 
-    /// Validates a step report, leaving `(position, result index)` pairs in
-    /// `scratch.reported`.
-    /// Checks a step report as [`Scheduler::step_done`] would, changing nothing, so that a
-    /// caller can apply the report elsewhere first (the engine's token state) and know the
-    /// scheduler will take it. `finished` flags are not checked.
-    pub fn check_step_report(
-        &mut self,
-        instance: u64,
-        measured_s: f64,
-        results: &[StepResult],
-    ) -> Result<(), SchedError> {
-        let slot = self.instances.slot_of(instance)?;
-        self.check_report(slot, measured_s, results)
-    }
-
     /// The τ of a live request's last dispatched step (its step in flight, if any).
     pub fn last_tau(&self, id: u64) -> Result<f64, SchedError> {
         Ok(self.requests.last_tau(self.requests.pos_of(id)?))
     }
 
+    /// Validates a step report, leaving `(position, result index)` pairs in
+    /// `scratch.reported`. `finished` flags are not checked.
     fn check_report(
         &mut self,
         inst_slot: u32,

@@ -115,7 +115,12 @@ impl Scheduler {
             self.overloaded = self.control_load(now);
         }
         self.decisions.overloaded = self.overloaded;
-        for inst in self.instances.slots.iter_mut().filter(|i| !i.busy) {
+        for inst in self
+            .instances
+            .slots
+            .iter_mut()
+            .filter(|i| i.alive && !i.busy)
+        {
             inst.relax_toward(self.group_factors[inst.group]);
         }
         self.place(now);

@@ -36,7 +36,9 @@ pub(super) struct Reconfig {
     replanner: Replanner,
     launch_s: f64,
     node_gpus: Vec<u32>,
-    queue: VecDeque<(Action, Vec<u64>)>,
+    queue: VecDeque<Action>,
+    /// Instance id of each deployment entry of the adopted plan whose actions are queued.
+    plan_ids: Vec<u64>,
     running: Option<Running>,
 }
 
@@ -53,6 +55,7 @@ impl Reconfig {
             launch_s: options.launch_s,
             node_gpus: options.node_gpus,
             queue: VecDeque::new(),
+            plan_ids: Vec::new(),
             running: None,
         })
     }
@@ -97,10 +100,10 @@ impl Reconfig {
                 }
                 None => {}
             }
-            let Some((action, ids)) = self.queue.pop_front() else {
+            let Some(action) = self.queue.pop_front() else {
                 return Ok(());
             };
-            self.start(sim, now, action, &ids)?;
+            self.start(sim, now, action)?;
         }
     }
 
@@ -117,7 +120,6 @@ impl Reconfig {
         sim: &mut Simulation<'_>,
         now: f64,
         action: Action,
-        ids: &[u64],
     ) -> Result<(), SimError> {
         self.running = Some(match action {
             Action::Launch { node, degree, gpus } => {
@@ -129,12 +131,12 @@ impl Reconfig {
                 }
             }
             Action::Stop { instance, .. } => {
-                let id = ids[instance];
+                let id = self.plan_ids[instance];
                 let others_serve = sim.instances.keys().any(|&i| i != id);
                 let launch_follows = self
                     .queue
                     .iter()
-                    .any(|(a, _)| matches!(a, Action::Launch { .. }));
+                    .any(|a| matches!(a, Action::Launch { .. }));
                 let handover = Replanner::handover(others_serve, launch_follows);
                 if !handover {
                     sim.sched.drain_instance(id)?;
@@ -175,9 +177,8 @@ impl Reconfig {
         self.replanner.adopt(&result);
         if let (true, Some(transition)) = (result.adopted, result.transition) {
             sim.stats.plans_adopted += 1;
-            let ids = asked.instance_ids;
-            self.queue
-                .extend(transition.actions.into_iter().map(|a| (a, ids.clone())));
+            self.plan_ids = asked.instance_ids;
+            self.queue.extend(transition.actions);
         }
         Ok(())
     }
