@@ -265,6 +265,23 @@ mod tests {
     }
 
     #[test]
+    fn a_row_of_a_request_cancelled_mid_step_never_reaches_a_new_request_with_its_id() {
+        let (mut s, mut t) = setup(&[1, 2]);
+        s.cancel(2).unwrap();
+        t.remove(2);
+        arrive(&mut s, &mut t, 2);
+        let conf = [0.5; 10];
+        let r = report(&[1, 2], &[1, 1], &[0, 0], &[5, 6], &conf);
+        apply_report(&mut s, &mut t, 0, 0.01, &r).unwrap();
+        assert_eq!(t.get(1).unwrap().steps_done, 1);
+        assert_eq!(
+            t.get(2).unwrap().output(),
+            &[MASK; 8],
+            "the new request 2 is untouched"
+        );
+    }
+
+    #[test]
     fn a_bad_report_changes_nothing() {
         let (mut s, mut t) = setup(&[1, 2]);
         let conf = [0.5; 10];
