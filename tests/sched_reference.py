@@ -894,10 +894,14 @@ class ReferenceScheduler:
 
 
 def as_reference(decisions) -> Decisions:
-    """A `dilaserve.scheduler.Decisions` in the reference's plain-tuple form."""
+    """A `dilaserve.scheduler.Decisions` in the reference's plain-tuple form. The reference
+    is the synchronous scheduler (`overlap` off, the core's default): no step is ahead."""
+    entries = [e for b in decisions.batches for e in b.entries]
+    if any(e.ahead for e in entries):
+        raise AssertionError("a step ahead: the reference models overlap off")
     return Decisions(
         batches=[(b.instance, b.tokens, b.predicted_finish) for b in decisions.batches],
-        entries=[tuple(e) for b in decisions.batches for e in b.entries],
+        entries=[tuple(e)[: len(e) - 1] for e in entries],
         migrations=[tuple(m) for m in decisions.migrations],
         waiting=[tuple(w) for w in decisions.waiting],
         overloaded=decisions.overloaded,

@@ -427,7 +427,9 @@ def test_settings_are_declared_once_in_the_core() -> None:
     engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
     assert set(names) - engine_fields == {"caching"}
     cluster_fields = {f.name for f in dataclasses.fields(ClusterSetup)}
-    assert set(names) - cluster_fields == {"policy"}
-    assert EngineConfig().scheduler_config() == SchedulerConfig()
+    assert set(names) - cluster_fields == {"policy", "overlap"}  # the simulator is synchronous
+    # The engine overlaps steps by default; everything else is the core's default.
+    assert EngineConfig().scheduler_config() == SchedulerConfig(overlap=True)
+    assert not SchedulerConfig().overlap
     assert {"dilaserve", "infaas", "llumnix", "paper", "no-reconfig"} <= set(PRESETS)
     assert Policy.named("llumnix") == Policy.llumnix_like()

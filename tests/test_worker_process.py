@@ -66,3 +66,22 @@ def test_a_failed_step_changes_nothing(runner, monkeypatch):
     report = execute(runner, StepCommand.of(2, [StepEntry(1, 1.0, StepKind.RECOMPUTE)]))
     assert report.failure is not None and "out of memory" in report.failure
     assert runner.state(1) == before
+
+
+def test_a_step_ahead_runs_the_kind_the_state_calls_for_and_skips_a_finished_request(runner):
+    """`AUTO` (a step sent ahead): recompute where no K/V of the block is held, cache
+    where it is, and nothing for a request the step before finished."""
+    auto = [StepEntry(1, 1.0, StepKind.AUTO)]  # τ 1: one position a step
+    execute(runner, StepCommand(step=0, admit=[_state(runner, 1)]))
+    kinds = []
+    while not runner.finished(1):
+        report = execute(runner, StepCommand.of(len(kinds) + 1, auto))
+        assert not report.errors
+        kinds += report.kinds
+    block = [StepKind.RECOMPUTE] + [StepKind.CACHE] * (BLOCK - 1)
+    assert kinds == 2 * block
+    report = execute(runner, StepCommand.of(99, auto))
+    assert report.outputs == [] and not report.errors
+    # An entry of a request this worker never held is still refused.
+    report = execute(runner, StepCommand.of(100, [StepEntry(9, 1.0, StepKind.AUTO)]))
+    assert [e.request_id for e in report.errors] == [9]

@@ -2,10 +2,13 @@
 
 The engine decides, workers execute (DESIGN §10). A `StepCommand` tells an instance which
 requests join it (with their full token state), which leave it, and which run one denoising
-step with which threshold and *which step kind*: the worker never derives the kind itself,
-so a recompute step may start mid-block (it rebuilds the cache from the current tokens) and
-is how a request resumes after a migration or a lost worker. A `StepReport` says what the
-step did to each request. Request ids are integers everywhere.
+step with which threshold and *which step kind*: the worker does not derive the kind
+itself, so a recompute step may start mid-block (it rebuilds the cache from the current
+tokens) and is how a request resumes after a migration or a lost worker. The one exception
+is a step sent ahead (`StepKind.AUTO`, with overlap): it follows a step the engine has not
+heard back from, so the worker resolves its kind by the rule the scheduler follows, and
+skips it for a request that step finished. A `StepReport` says what each step did to each
+request, with the kind it ran. Request ids are integers everywhere.
 
 Messages are plain dataclasses encoded as msgpack by `msgspec` (`encode` / `decode_*`), so a
 malformed frame fails to decode with a typed error instead of reaching the runner.
@@ -28,6 +31,17 @@ class StepKind(enum.StrEnum):
     RECOMPUTE = "recompute"
     CACHE = "cache"
     NO_CACHE = "no_cache"
+    #: A step ahead (protocol only): the worker runs `ahead_kind` of it, or skips it.
+    AUTO = "auto"
+
+
+def ahead_kind(cache: CacheMode, cache_valid: bool) -> StepKind:
+    """The kind a step ahead runs: a cache step while the instance holds K/V of the request's
+    current block, else a recompute step (no-cache without a cache) — the scheduler's rule,
+    applied by the worker to the state the step before left."""
+    if cache is CacheMode.NONE:
+        return StepKind.NO_CACHE
+    return StepKind.CACHE if cache_valid else StepKind.RECOMPUTE
 
 
 class CacheMode(enum.StrEnum):

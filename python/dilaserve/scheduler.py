@@ -93,6 +93,7 @@ _BATCH = np.dtype(
         ("finish", "<f8"),
         ("release_start", "<u8"),
         ("release_len", "<u8"),
+        ("predicted_s", "<f8"),
     ]
 )
 _ENTRY = np.dtype(
@@ -108,6 +109,7 @@ _ENTRY = np.dtype(
         ("estimate_s", "<f8"),
         ("slo_left_s", "<f8"),
         ("cap_tau", "<f8"),
+        ("ahead", "?"),
     ]
 )
 _WAITING = np.dtype([("request", "<u8"), ("reason", "u1")])
@@ -238,6 +240,10 @@ class BatchEntry(NamedTuple):
     block: int
     #: Positions of that block already unmasked before this step.
     unmasked_in_block: int
+    #: A step ahead (`SchedulerConfig.overlap`): it runs after the request's step in flight
+    #: on the same instance; its kind (`kind` is the likely one), `block` and
+    #: `unmasked_in_block` (as of before that step) are the worker's to resolve.
+    ahead: bool = False
 
 
 class Batch(NamedTuple):
@@ -355,6 +361,8 @@ class InstanceInfo:
     draining: bool
     #: Requests of the step in flight; empty when idle.
     batch: list[int]
+    #: Requests of the step queued behind it (overlap); empty when none is.
+    ahead: list[int]
     batch_tokens: int
     predicted_finish: float | None
     residents: int
@@ -388,8 +396,10 @@ class Decisions:
         self.batch_starts: np.ndarray = batches["start"]
         self.batch_lens: np.ndarray = batches["len"]
         self.batch_tokens: np.ndarray = batches["tokens"]
-        #: Predicted end time of each batch's step.
+        #: Predicted end time of each batch's step (after the step in flight, for a step
+        #: ahead), and its predicted duration.
         self.batch_finish: np.ndarray = batches["finish"]
+        self.batch_predicted_s: np.ndarray = batches["predicted_s"]
         #: Each batch's released requests: `releases[start : start + len]`.
         self.batch_release_starts: np.ndarray = batches["release_start"]
         self.batch_release_lens: np.ndarray = batches["release_len"]
@@ -399,6 +409,8 @@ class Decisions:
         #: Step kind codes; `STEP_KINDS[code]` names them.
         self.entry_kinds: np.ndarray = entries["kind"]
         self.entry_new_here: np.ndarray = entries["new_here"]
+        #: Steps ahead: they follow the request's step in flight (`BatchEntry.ahead`).
+        self.entry_ahead: np.ndarray = entries["ahead"]
         #: Tokens each step feeds the model.
         self.entry_tokens: np.ndarray = entries["tokens"]
         #: Output block index of each step.
@@ -439,6 +451,7 @@ class Decisions:
         tokens_ = self.entry_tokens.tolist()
         blocks = self.entry_blocks.tolist()
         unmasked = self.entry_unmasked_in_block.tolist()
+        ahead = self.entry_ahead.tolist()
         releases = self.releases.tolist()
         out = []
         for instance, start, length, tokens, finish, r_start, r_len in zip(
@@ -460,6 +473,7 @@ class Decisions:
                     tokens_[i],
                     blocks[i],
                     unmasked[i],
+                    ahead[i],
                 )
                 for i in range(start, start + length)
             ]

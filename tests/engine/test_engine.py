@@ -32,10 +32,14 @@ async def complete_all(engine, problems, **kw):
     return await asyncio.gather(*(engine.complete(p.prompt, params(p, **kw)) for p in problems))
 
 
-def test_concurrent_requests_equal_decoding_alone(make_engine):
-    h = make_engine(instances=(1, 1, 1))
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "synchronous"])
+def test_concurrent_requests_equal_decoding_alone(make_engine, overlap):
+    h = make_engine(instances=(1, 1, 1), overlap=overlap)
     problems = make_problems(200, SEED)
     outputs = h.run(complete_all(h.engine, problems))
+    # With overlap, most steps were sent while the instance's step before still ran.
+    ahead = h.engine.step_times.steps_ahead
+    assert ahead > h.engine.step_times.steps / 2 if overlap else ahead == 0
     visited = set()
     for problem, out in zip(problems, outputs, strict=True):
         assert out.finished and out.stats is not None

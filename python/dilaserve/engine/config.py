@@ -13,8 +13,13 @@ from dilaserve.settings import settings_class
 
 from .errors import BadRequestError
 
-#: Scheduler settings the engine takes as they are (`caching` follows its `cache` mode).
-ENGINE_SCHEDULER_SETTINGS = [f for f in SCHEDULER_SETTINGS if f["name"] != "caching"]
+#: Scheduler settings the engine takes (`caching` follows its `cache` mode). The engine
+#: overlaps steps unless told not to; the core's default (off) is the simulator's.
+ENGINE_SCHEDULER_SETTINGS = [
+    {**f, "default": True} if f["name"] == "overlap" else f
+    for f in SCHEDULER_SETTINGS
+    if f["name"] != "caching"
+]
 
 
 @dataclass(frozen=True)

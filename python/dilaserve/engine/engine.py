@@ -72,8 +72,10 @@ from .transport import SendError, WorkerChannel
 
 log = logging.getLogger(__name__)
 
-#: `StepKind` of each of the core's step kind codes, indexed by code.
-_KIND_OF_CODE = np.array([StepKind(k) for k in STEP_KINDS], dtype=object)
+#: `StepKind` of each of the core's step kind codes, indexed by code; then `AUTO`, the
+#: kind of a step ahead (the worker resolves it).
+_KIND_OF_CODE = np.array([StepKind(k) for k in STEP_KINDS] + [StepKind.AUTO], dtype=object)
+_AUTO_CODE = len(STEP_KINDS)
 
 #: How long a worker may take to load its model and report ready.
 READY_TIMEOUT_S = 300.0
@@ -537,7 +539,7 @@ class Engine:
         if inst.registered:
             self.scheduler.remove_instance(inst.id)
             inst.registered = False
-        inst.inflight = None
+        inst.inflight = inst.ahead = None
 
     def _retire(self, inst: InstanceRecord) -> None:
         self.instances.pop(inst.id, None)
@@ -610,10 +612,13 @@ class Engine:
         step = inst.inflight
         if step is None or report.step != step.number:
             return  # a reply to a command whose step was aborted meanwhile
-        inst.inflight = None
         now = self.now()
+        inst.inflight, inst.ahead = inst.ahead, None
+        if inst.inflight is None:
+            inst.reported_at = (now, self._rounds + 1)
+        else:  # the step ahead runs from now: no gap before it
+            inst.inflight.sent_at = max(inst.inflight.sent_at, now)
         measured = now - step.sent_at
-        inst.reported_at = (now, self._rounds + 1)
         if report.failure is not None:
             log.error("instance %d: step %d failed: %s", inst.id, step.number, report.failure)
             self._abort(inst)
@@ -644,9 +649,10 @@ class Engine:
             req.outputs.put_nowait(req.finish(finished, text, now))
 
     def _abort(self, inst: InstanceRecord) -> None:
-        """The step in flight on `inst` did not happen: its requests run again (from the
-        engine's copy), a request whose steps keep failing fails alone."""
-        inst.inflight = None
+        """The step in flight on `inst` did not happen, nor the one sent ahead of it: their
+        requests run again (from the engine's copy), a request whose steps keep failing
+        fails alone."""
+        inst.inflight = inst.ahead = None
         for rid in self.scheduler.abort_step(inst.id):
             req = self._requests.get(rid)
             if req is None:
@@ -674,7 +680,7 @@ class Engine:
         now = self.now()
         decisions = self.scheduler.schedule(now)
         for batch, instance_id in enumerate(decisions.batch_instances.tolist()):
-            self._dispatch(self.instances[instance_id], decisions, batch, now)
+            self._dispatch(self.instances[instance_id], decisions, batch)
         for instance_id in self.scheduler.drained_instances():
             inst = self.instances.get(instance_id)
             if inst is not None and inst.stopping and not inst.shutdown_sent:
@@ -682,29 +688,36 @@ class Engine:
                 inst.shutdown_sent = True
                 self._send(inst, Shutdown())
 
-    def _dispatch(self, inst: InstanceRecord, decisions: Decisions, batch: int, now: float) -> None:
+    def _dispatch(self, inst: InstanceRecord, decisions: Decisions, batch: int) -> None:
         """Sends the scheduler's `batch` as it decided it, from its packed columns: its
         releases, the token state of requests new there, and each entry's τ and step
-        kind."""
+        kind (`AUTO` for a step ahead). With overlap the instance may be running a step: the
+        command queues behind it on the worker."""
         d = decisions
         start = int(d.batch_starts[batch])
         entries = slice(start, start + int(d.batch_lens[batch]))
         releases = int(d.batch_release_starts[batch])
         requests = d.entry_requests[entries]
+        kinds = np.where(d.entry_ahead[entries], _AUTO_CODE, d.entry_kinds[entries])
         command = StepCommand(
             step=next(self._step_numbers),
             requests=requests.tolist(),
             taus=d.entry_taus[entries].tolist(),
-            kinds=_KIND_OF_CODE[d.entry_kinds[entries]].tolist(),
+            kinds=_KIND_OF_CODE[kinds].tolist(),
             release=d.releases[releases : releases + int(d.batch_release_lens[batch])].tolist(),
         )
         for rid in requests[d.entry_new_here[entries] != 0].tolist():
             command.admit.append(self._requests[rid].resumable(self.scheduler.token_state(rid)))
         sent = self.now()
-        inst.inflight = InflightStep(command.step, sent, float(d.batch_finish[batch]) - now)
-        if inst.reported_at is not None and inst.reported_at[1] == self._rounds:
-            self.step_times.dispatch_gap_s += sent - inst.reported_at[0]
-        inst.reported_at = None
+        step = InflightStep(command.step, sent, float(d.batch_predicted_s[batch]))
+        if inst.inflight is None:
+            inst.inflight = step
+            if inst.reported_at is not None and inst.reported_at[1] == self._rounds:
+                self.step_times.dispatch_gap_s += sent - inst.reported_at[0]
+            inst.reported_at = None
+        else:
+            inst.ahead = step
+            self.step_times.steps_ahead += 1
         if not self._send(inst, command):
             self._abort(inst)
 

@@ -14,6 +14,7 @@ from .launcher import WorkerHandle
 @dataclass
 class InflightStep:
     number: int
+    #: When it was sent, or (a step ahead) when the step before it reported, if later.
     sent_at: float
     #: The scheduler's estimate of its duration (the latency profile's).
     predicted_s: float = 0.0
@@ -28,6 +29,8 @@ class StepTimes:
     means the profile no longer describes the machine)."""
 
     steps: int = 0
+    #: Of them, steps sent ahead (overlap): queued behind the instance's step in flight.
+    steps_ahead: int = 0
     worker_s: float = 0.0
     round_trip_s: float = 0.0
     dispatch_gap_s: float = 0.0
@@ -57,6 +60,8 @@ class InstanceRecord:
     shutdown_sent: bool = False
     restarts: int = 0
     inflight: InflightStep | None = None
+    #: With overlap: the step sent behind it; it starts when `inflight` reports.
+    ahead: InflightStep | None = None
     #: When its last report came in and the round that handles it: a step sent in that
     #: round followed its predecessor without waiting for work.
     reported_at: tuple[float, int] | None = None

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -44,6 +45,7 @@ from dilaserve.protocol import (
     StepReport,
     WorkerLeaving,
     WorkerReady,
+    ahead_kind,
     decode_engine_message,
     encode,
 )
@@ -63,6 +65,8 @@ class _Held:
     first_masked: int
     #: A token it commits (from its prompt, never a stop or mask token).
     token: int
+    #: Its current block's recompute step ran here (a cache step may follow).
+    cache_valid: bool = False
 
 
 class Emulation:
@@ -95,6 +99,8 @@ class EmulatedInstance:
         self.socket.setsockopt(zmq.IDENTITY, str(self.worker_id).encode())
         self.socket.setsockopt(zmq.LINGER, 0)
         self.held: dict[int, _Held] = {}
+        #: Requests the last step finished: a step ahead of theirs is skipped.
+        self.finished: set[int] = set()
         self.leaving = asyncio.Event()
 
     async def run(self) -> int:
@@ -140,12 +146,18 @@ class EmulatedInstance:
                 errors.append(RequestError(state.request_id, "already on this instance"))
                 continue
             self.held[state.request_id] = _admitted(state)
-        entries = [e for e in command.entries() if e.request_id in self.held]
-        errors += [
-            RequestError(rid, f"request {rid} is not on this instance")
-            for rid in command.requests
-            if rid not in self.held
-        ]
+        entries = []
+        for e in command.entries():
+            rid = e.request_id
+            h = self.held.get(rid)
+            if h is None:
+                if not (e.kind is StepKind.AUTO and rid in self.finished):
+                    errors.append(RequestError(rid, f"request {rid} is not on this instance"))
+                continue
+            if e.kind is StepKind.AUTO:
+                e = dataclasses.replace(e, kind=ahead_kind(self.cache, h.cache_valid))
+            entries.append(e)
+        self.finished.clear()
         if not entries:
             return StepReport(step=command.step, errors=errors)
         full = cache = 0
@@ -169,6 +181,7 @@ class EmulatedInstance:
         for e, n in zip(entries, counts, strict=True):
             if _commit(report, self.held[e.request_id], e.kind, n):
                 del self.held[e.request_id]
+                self.finished.add(e.request_id)
         await asyncio.sleep(max(0.0, seconds - (time.perf_counter() - started)))
         report.seconds = time.perf_counter() - started
         return report
@@ -191,6 +204,7 @@ def _commit(report: StepReport, h: _Held, kind: StepKind, count: int) -> bool:
     tokens = [h.token] * len(positions)
     state.commit(block, positions, tokens)
     h.first_masked = end
+    h.cache_valid = kind is not StepKind.NO_CACHE and end % state.block_length != 0
     done = end >= state.output_length
     report.add_row(state.request_id, kind, block, positions, tokens, NO_CONFIDENCE, done)
     return done

@@ -18,6 +18,7 @@ engine restarts the instance as a whole.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -33,6 +34,7 @@ from dilaserve.protocol import (
     RequestError,
     Shutdown,
     StepCommand,
+    StepKind,
     StepReport,
     TokenStateError,
     WorkerLeaving,
@@ -91,6 +93,10 @@ def execute(runner: StepRunner, command: StepCommand) -> StepReport:
         if entry.request_id in refused:
             continue
         try:
+            if entry.kind is StepKind.AUTO:
+                if runner.finished(entry.request_id):
+                    continue  # a step ahead of a request its step before finished
+                entry = dataclasses.replace(entry, kind=runner.next_kind(entry.request_id))
             runner.check_entry(entry)
         except (WorkerError, KeyError) as exc:
             errors.append(RequestError(entry.request_id, str(exc)))

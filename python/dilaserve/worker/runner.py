@@ -49,6 +49,7 @@ from dilaserve.protocol import (
     StepKind,
     StepReport,
     TokenStateError,
+    ahead_kind,
 )
 from dilaserve.worker.batch_decoding import RowSampling, RowSchedule
 from dilaserve.worker.errors import (
@@ -205,10 +206,11 @@ class StepRunner:
         runner without the scheduler (offline decoding, profiling): a cache step exactly
         while this runner holds K/V of the current block (`cache_valid`, which a finished
         block invalidates); the scheduler decides the same from its own count."""
-        held = self._get(request_id)
-        if self.cache_mode is CacheMode.NONE:
-            return StepKind.NO_CACHE
-        return StepKind.CACHE if held.cache_valid else StepKind.RECOMPUTE
+        return ahead_kind(self.cache_mode, self._get(request_id).cache_valid)
+
+    def finished(self, request_id: int) -> bool:
+        """Whether a resident request's last step finished it (it waits to be released)."""
+        return self._get(request_id).state.done
 
     def export(self, request_id: int) -> RequestState:
         """Removes a request for migration; refused while its next step would read K/V held

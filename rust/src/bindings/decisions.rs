@@ -47,11 +47,13 @@ fn records<'py, T>(
     Ok(bytes.unbind())
 }
 
-/// Batch record: instance u64, start u64, len u64, tokens u64, predicted_finish f64.
-const BATCH_WIDTH: usize = 56;
+/// Batch record: instance u64, start u64, len u64, tokens u64, predicted_finish f64,
+/// release_start u64, release_len u64, predicted_s f64.
+const BATCH_WIDTH: usize = 64;
 /// Entry record: request u64, tau f64, kind u8, new_here u8, tokens u64, block u32,
-/// unmasked_in_block u32, then why: reason u8, estimate_s f64, slo_left_s f64, cap_tau f64.
-const ENTRY_WIDTH: usize = 59;
+/// unmasked_in_block u32, then why: reason u8, estimate_s f64, slo_left_s f64, cap_tau f64;
+/// then ahead u8.
+const ENTRY_WIDTH: usize = 60;
 /// Waiting record: request u64, reason u8.
 const WAITING_WIDTH: usize = 9;
 
@@ -91,6 +93,7 @@ impl PyDecisions {
                 out[32..40].copy_from_slice(&b.predicted_finish.to_le_bytes());
                 out[40..48].copy_from_slice(&(b.release_start as u64).to_le_bytes());
                 out[48..56].copy_from_slice(&(b.release_len as u64).to_le_bytes());
+                out[56..64].copy_from_slice(&b.predicted_s.to_le_bytes());
             })?,
             releases: records(py, &d.releases, 8, |r, out| {
                 out.copy_from_slice(&r.to_le_bytes());
@@ -107,6 +110,7 @@ impl PyDecisions {
                 out[35..43].copy_from_slice(&e.why.estimate_s.to_le_bytes());
                 out[43..51].copy_from_slice(&e.why.slo_left_s.to_le_bytes());
                 out[51..59].copy_from_slice(&e.why.cap_tau.to_le_bytes());
+                out[59] = u8::from(e.ahead);
             })?,
             waiting: records(py, &d.waiting, WAITING_WIDTH, |w, out| {
                 out[0..8].copy_from_slice(&w.request.to_le_bytes());

@@ -530,6 +530,7 @@ impl PyScheduler {
         d.set_item("node", i.node)?;
         d.set_item("draining", i.draining)?;
         d.set_item("batch", i.batch)?;
+        d.set_item("ahead", i.ahead)?;
         d.set_item("batch_tokens", i.batch_tokens)?;
         d.set_item("predicted_finish", i.predicted_finish)?;
         d.set_item("residents", i.residents)?;

@@ -323,6 +323,11 @@ settings! {
         pub caching: bool = true,
         /// Most tokens one instance step may process (the planner's batch size).
         pub max_batch_tokens: u64 = 8192,
+        /// *(ours)* Decide an instance's next step while its current one runs (one step
+        /// ahead): its requests continue at home with τ chosen from the predictions as of
+        /// their previous step, and the worker resolves each such step's kind. Off: every
+        /// step waits for the report of the one before (the synchronous round trip).
+        pub overlap: bool = false,
         /// SLO window load control plans for; none uses the mean SLO of active requests.
         pub slo_window_s: Option<f64> = None,
         /// While load control finds the cluster overloaded, refuse an arrival once this many

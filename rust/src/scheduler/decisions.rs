@@ -13,6 +13,11 @@ pub struct BatchEntry {
     /// The instance does not hold this request's token state yet (arrival or migration):
     /// the step command must carry it.
     pub new_here: bool,
+    /// *(ours)* A step ahead ([`super::SchedulerConfig::overlap`]): it runs after the
+    /// request's step in flight on the same instance, so its kind (`kind` is the likely
+    /// one), `block` and `unmasked_in_block` (as of before that step) are the worker's to
+    /// resolve; the worker skips it if the request finished in that step.
+    pub ahead: bool,
     /// Tokens this step feeds the model: the whole sequence for a recompute or no-cache
     /// step, the block for a cache step.
     pub tokens: u64,
@@ -77,7 +82,9 @@ pub struct Batch {
     pub start: usize,
     pub len: usize,
     pub tokens: u64,
-    /// Predicted end of the step (profile × the instance's measured correction).
+    /// Predicted duration of the step (profile × the instance's measured correction).
+    pub predicted_s: f64,
+    /// Predicted end of the step: it starts now, or after the step in flight there.
     pub predicted_finish: f64,
     /// `releases[release_start..release_start + release_len]` of [`Decisions`]: requests
     /// the instance drops before this step (they left it since its last batch).

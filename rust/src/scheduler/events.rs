@@ -172,9 +172,20 @@ impl Scheduler {
             let inst = &mut self.instances.slots[home as usize];
             inst.drop_resident(r.id, r.seq_tokens());
             if !self.requests.ready(pos) {
-                inst.inflight.retain(|&h| h != r.handle);
-                inst.cancelled.push(id);
-                inst.next_tokens = inst.next_tokens.saturating_sub(estimate);
+                if inst.inflight.contains(&r.handle) {
+                    inst.inflight.retain(|&h| h != r.handle);
+                    inst.cancelled.push(id);
+                    inst.next_tokens = inst.next_tokens.saturating_sub(estimate);
+                }
+                if let Some(ahead) = inst
+                    .ahead
+                    .as_mut()
+                    .filter(|a| a.handles.contains(&r.handle))
+                {
+                    ahead.handles.retain(|&h| h != r.handle);
+                    ahead.cancelled.push(id);
+                    ahead.next_tokens = ahead.next_tokens.saturating_sub(estimate);
+                }
             }
         }
         if r.last_instance.is_none() {
@@ -234,11 +245,7 @@ impl Scheduler {
     ) -> Result<&[FinishedRequest], SchedError> {
         let inst = &mut self.instances.slots[inst_slot as usize];
         inst.observe_step(measured_s, &mut self.group_factors[inst.group]);
-        inst.inflight.clear();
-        inst.cancelled.clear();
-        inst.busy = false;
-        inst.inflight_tokens = 0;
-        inst.next_tokens = 0;
+        let ended_at = inst.started_at + measured_s;
         self.scratch.finished.clear();
         self.scratch.pending.clear();
         for i in 0..self.scratch.reported.len() {
@@ -258,7 +265,13 @@ impl Scheduler {
                         self.reservation = None;
                     }
                     if let Some(home) = r.home {
-                        self.instances.slots[home as usize].drop_resident(r.id, r.seq_tokens());
+                        let inst = &mut self.instances.slots[home as usize];
+                        inst.drop_resident(r.id, r.seq_tokens());
+                        if let Some(ahead) = inst.ahead.as_mut().filter(|_| r.ahead) {
+                            // The worker skips its step ahead: it knows the request ended.
+                            ahead.handles.retain(|&h| h != r.handle);
+                            ahead.cancelled.push(r.id);
+                        }
                     }
                     let history = &mut self.requests.history[r.handle as usize];
                     self.scratch.finished.push(FinishedRequest {
@@ -283,9 +296,18 @@ impl Scheduler {
                         .filter(|c| !block_done && c.iter().all(|x| x.is_finite()));
                     self.requests.confidence[r.handle as usize] = confidence;
                     self.update_prediction(pos, was_full);
+                    if r.ahead {
+                        // Its step ahead is the instance's next step in flight.
+                        self.requests.set_ready(pos, false);
+                        self.requests.set_last_tau(pos, r.ahead_tau);
+                        let r = self.requests.req_mut(pos);
+                        r.ahead = false;
+                        r.ahead_tau = f64::NAN;
+                    }
                 }
             }
         }
+        self.instances.slots[inst_slot as usize].start_ahead(ended_at);
         // The report is applied whatever the predictor does: the worker did run the step.
         self.refresh_predictions()?;
         Ok(&self.scratch.finished)
@@ -327,7 +349,10 @@ impl Scheduler {
             }
             let pos = self.requests.pos_of(res.request)?;
             let r = self.requests.req(pos);
-            if self.requests.ready(pos) || r.home != Some(inst_slot) {
+            if self.requests.ready(pos)
+                || r.home != Some(inst_slot)
+                || !inst.inflight.contains(&r.handle)
+            {
                 return Err(bad(format!("request {} is not in its batch", res.request)));
             }
             let masked = r.block_length - r.unmasked_in_block;

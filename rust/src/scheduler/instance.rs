@@ -84,6 +84,22 @@ pub(crate) struct Instance {
     /// Requests that left since this instance's last batch (finished, cancelled, moved
     /// away, their step aborted): its next step command releases them.
     pub released: Vec<u64>,
+    /// *(ours)* With overlap: the step queued behind the one in flight; it becomes the
+    /// step in flight when that one's report is applied.
+    pub ahead: Option<AheadStep>,
+}
+
+/// *(ours)* A step sent while the instance's previous one runs (see
+/// `SchedulerConfig::overlap`): what the step in flight keeps, for when it starts.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct AheadStep {
+    pub handles: Vec<u32>,
+    /// Ids of its requests cancelled (or finished in the step before) meanwhile.
+    pub cancelled: Vec<u64>,
+    pub tokens: u64,
+    pub next_tokens: u64,
+    /// Profile prediction of its duration, before the factor.
+    pub predicted_s: f64,
 }
 
 impl Instance {
@@ -101,6 +117,40 @@ impl Instance {
         self.started_at + self.predicted_s * self.factor
     }
 
+    /// When the last step sent here is predicted to end: the one in flight, or the one
+    /// queued behind it.
+    pub fn free_at(&self) -> f64 {
+        let ahead = self.ahead.as_ref().map_or(0.0, |a| a.predicted_s);
+        self.predicted_finish() + ahead * self.factor
+    }
+
+    /// *(ours)* With overlap: the step queued behind the one in flight starts (its
+    /// predecessor's report is in, at `started_at`); without one the instance is idle.
+    pub fn start_ahead(&mut self, started_at: f64) {
+        match self.ahead.take() {
+            Some(next) => {
+                self.inflight = next.handles;
+                self.cancelled = next.cancelled;
+                self.busy = true;
+                self.inflight_tokens = next.tokens;
+                self.next_tokens = next.next_tokens;
+                self.started_at = started_at;
+                self.predicted_s = next.predicted_s;
+            }
+            None => self.clear_steps(),
+        }
+    }
+
+    /// Forgets the steps sent here: the instance is idle.
+    pub fn clear_steps(&mut self) {
+        self.ahead = None;
+        self.inflight.clear();
+        self.cancelled.clear();
+        self.busy = false;
+        self.inflight_tokens = 0;
+        self.next_tokens = 0;
+    }
+
     /// Folds one measured step time into this instance's factor and into `pooled`, the
     /// factor of its degree group.
     pub fn observe_step(&mut self, measured_s: f64, pooled: &mut f64) {
@@ -113,13 +163,22 @@ impl Instance {
         self.steps_run += 1;
     }
 
-    /// Tokens already expected in this instance's next step before this round assigns any.
-    pub fn base_tokens(&self) -> u64 {
-        if self.busy {
-            self.next_tokens
-        } else {
-            0
+    /// Tokens already expected in this instance's next step before this round assigns any:
+    /// none when that step is decided now (idle, or open for a step ahead, whose continuing
+    /// requests are assigned explicitly).
+    pub fn base_tokens(&self, open: bool) -> u64 {
+        match &self.ahead {
+            Some(a) => a.next_tokens,
+            None if self.busy && !open => self.next_tokens,
+            None => 0,
         }
+    }
+
+    /// Whether a round may send this instance a step: it is idle, or (with `overlap`) runs
+    /// one with nothing queued behind it and is not draining (its requests move at their
+    /// next recompute step, which a step ahead would not let them).
+    pub fn open(&self, overlap: bool) -> bool {
+        self.alive && (!self.busy || (overlap && self.ahead.is_none() && !self.draining))
     }
 
     /// Whether `residents` more requests holding `seq_tokens` in all fit beside those here.
@@ -247,6 +306,7 @@ impl InstanceTable {
             steps_run: 0,
             last_step_s: 0.0,
             released: Vec::new(),
+            ahead: None,
         });
         slot
     }
@@ -264,9 +324,7 @@ impl InstanceTable {
     pub fn remove(&mut self, slot: u32) {
         let inst = &mut self.slots[slot as usize];
         inst.alive = false;
-        inst.busy = false;
-        inst.inflight_tokens = 0;
-        inst.next_tokens = 0;
+        inst.clear_steps();
         inst.residents = 0;
         inst.resident_tokens = 0;
         self.index.remove(&inst.id);

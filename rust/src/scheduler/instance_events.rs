@@ -66,8 +66,7 @@ impl Scheduler {
     pub fn remove_instance(&mut self, id: u64) -> Result<(), SchedError> {
         let inst_slot = self.instances.slot_of(id)?;
         let inst = &mut self.instances.slots[inst_slot as usize];
-        inst.inflight.clear();
-        inst.cancelled.clear();
+        inst.clear_steps();
         self.instances.remove(inst_slot);
         if self.reservation.is_some_and(|v| v.slot == inst_slot) {
             self.reservation = None;
@@ -84,21 +83,24 @@ impl Scheduler {
     }
 
     /// The step in flight on `instance` failed (the send failed, the worker died, it ran out
-    /// of memory). The instance becomes idle; the requests of that step are ready again with
-    /// no progress counted and hold no state there any more: with caching their next step
-    /// recomputes, and a move elsewhere is reported as a `StepAborted` migration. Returns
-    /// the ids of those requests (cancelled ones excluded).
+    /// of memory), and with it the step queued behind it, if any (it followed from the
+    /// failed one). The instance becomes idle; the requests of those steps are ready again
+    /// with no progress counted and hold no state there any more: with caching their next
+    /// step recomputes, and a move elsewhere is reported as a `StepAborted` migration.
+    /// Returns the ids of those requests (cancelled ones excluded).
     pub fn abort_step(&mut self, instance: u64) -> Result<&[u64], SchedError> {
         let inst_slot = self.instances.slot_of(instance)?;
         let inst = &mut self.instances.slots[inst_slot as usize];
         if !inst.busy {
             return Err(SchedError::NoStepInFlight(instance));
         }
-        inst.busy = false;
-        inst.inflight_tokens = 0;
-        inst.next_tokens = 0;
-        inst.cancelled.clear();
-        let handles = std::mem::take(&mut inst.inflight);
+        let mut handles = std::mem::take(&mut inst.inflight);
+        for handle in inst.ahead.take().map(|a| a.handles).unwrap_or_default() {
+            if !handles.contains(&handle) {
+                handles.push(handle);
+            }
+        }
+        inst.clear_steps();
         self.scratch.aborted.clear();
         self.scratch.pending.clear();
         for &handle in &handles {
@@ -126,6 +128,8 @@ impl Scheduler {
         let r = self.requests.req_mut(pos);
         r.home = None;
         r.displaced_from = Some((from, reason));
+        r.ahead = false;
+        r.ahead_tau = f64::NAN;
         if caching && r.next_kind == StepKind::Cache {
             r.next_kind = StepKind::Recompute;
             if online {

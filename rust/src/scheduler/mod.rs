@@ -48,6 +48,8 @@ mod tests_capacity;
 mod tests_events;
 #[cfg(test)]
 mod tests_lifecycle;
+#[cfg(test)]
+mod tests_overlap;
 
 pub use config::{
     Admission, InstanceChoice, LoadModel, LoadOrder, Policy, Prediction, Preset, SchedulerConfig,
@@ -115,6 +117,8 @@ pub struct InstanceInfo {
     pub draining: bool,
     /// Requests of the step in flight (empty when idle).
     pub batch: Vec<u64>,
+    /// *(ours)* Requests of the step queued behind it (overlap; empty when none is).
+    pub ahead: Vec<u64>,
     pub batch_tokens: u64,
     pub predicted_finish: Option<f64>,
     /// Requests whose state this instance holds.
@@ -299,6 +303,12 @@ impl Scheduler {
             batch: inst
                 .inflight
                 .iter()
+                .map(|&h| self.requests.req(self.requests.pos_of_handle(h)).id)
+                .collect(),
+            ahead: inst
+                .ahead
+                .iter()
+                .flat_map(|a| &a.handles)
                 .map(|&h| self.requests.req(self.requests.pos_of_handle(h)).id)
                 .collect(),
             batch_tokens: if inst.busy { inst.inflight_tokens } else { 0 },

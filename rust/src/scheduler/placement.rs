@@ -50,7 +50,7 @@ pub(crate) struct Placement {
     /// Per busy instance: requests queued for it this round that are not resident there,
     /// and their sequence tokens; they count against its resident room.
     queued: Vec<(u32, u64)>,
-    /// Alive and not running a step: may run one this round.
+    /// May be sent a step this round ([`Instance::open`]): idle, or open for a step ahead.
     pub open: Vec<bool>,
     /// Open instances that take new requests (not draining).
     pub accepting: usize,
@@ -76,6 +76,7 @@ impl Placement {
         now: f64,
         choice: InstanceChoice,
         reserved: Option<u32>,
+        overlap: bool,
     ) {
         let n = instances.len();
         self.now = now;
@@ -91,7 +92,7 @@ impl Placement {
         self.open.clear();
         (self.targets, self.accepting) = (0, 0);
         for inst in instances {
-            let open = inst.alive && !inst.busy;
+            let open = inst.open(overlap);
             let target = inst.alive && !inst.draining;
             self.open.push(open);
             self.targets += usize::from(target);
@@ -107,7 +108,7 @@ impl Placement {
 
     /// Batch tokens instance `slot`'s next step holds so far.
     fn step_tokens(&self, slot: u32, inst: &Instance) -> u64 {
-        inst.base_tokens() + self.tokens[slot as usize]
+        inst.base_tokens(self.open[slot as usize]) + self.tokens[slot as usize]
     }
 
     /// Whether instance `slot`'s next step has room for `n` more batch tokens.
@@ -117,9 +118,9 @@ impl Placement {
 
     /// Assigns the `n`-token step of a request resident on `slot` that must stay there;
     /// trees are not built yet.
-    pub fn add_fixed(&mut self, slot: u32, inst: &Instance, n: u64, full: bool) {
+    pub fn add_fixed(&mut self, slot: u32, n: u64, full: bool) {
         self.tokens[slot as usize] += n;
-        if full && !inst.busy {
+        if full && self.open[slot as usize] {
             self.full_tokens[slot as usize] += n;
         }
     }
@@ -141,7 +142,7 @@ impl Placement {
     /// When instance `slot` could start its next step.
     fn start(&self, inst: &Instance) -> f64 {
         if inst.busy {
-            self.now.max(inst.predicted_finish())
+            self.now.max(inst.free_at())
         } else {
             self.now
         }
@@ -161,7 +162,7 @@ impl Placement {
             return Leaf::CLOSED;
         }
         let round = self.tokens[slot as usize];
-        let tokens = inst.base_tokens() + round;
+        let tokens = inst.base_tokens(self.open[slot as usize]) + round;
         let (queued_reqs, queued_seq) = self.queued[slot as usize];
         let (start, factor) = match self.choice {
             Some(InstanceChoice::LeastLoaded) => ((inst.resident_tokens + round) as f64, 0.0),
@@ -274,7 +275,9 @@ impl Placement {
             Some(InstanceChoice::LeastLoaded) => {
                 (inst.resident_tokens.saturating_sub(seq) + round) as f64
             }
-            _ => self.start(inst) + inst.factor * costs.full_tokens(inst.base_tokens() + round + n),
+            _ => {
+                self.start(inst) + inst.factor * costs.full_tokens(self.step_tokens(slot, inst) + n)
+            }
         })
     }
 
@@ -288,7 +291,7 @@ impl Placement {
     pub fn add_free(&mut self, slot: u32, inst: &Instance, n: u64, new_resident: Option<u64>) {
         let s = slot as usize;
         self.tokens[s] += n;
-        if inst.busy {
+        if !self.open[s] {
             if let Some(seq) = new_resident {
                 self.queued[s].0 += 1;
                 self.queued[s].1 += seq;

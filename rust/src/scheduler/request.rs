@@ -84,6 +84,10 @@ pub(crate) struct Request {
     pub last_instance: Option<u64>,
     /// Threshold every step of this request runs at ([`RequestSpec::pinned_tau`]).
     pub pinned: Option<f64>,
+    /// *(ours)* With overlap: a second step of this request is queued behind the one in
+    /// flight, at threshold `ahead_tau` (NaN when none is).
+    pub ahead: bool,
+    pub ahead_tau: f64,
     pub alive: bool,
 }
 
@@ -109,6 +113,21 @@ impl Request {
         } else {
             self.seq_tokens()
         }
+    }
+
+    /// *(ours)* Whether the step in flight likely completes the current block: its masked
+    /// rest is no more than the tokens a step of this block has committed on average (of
+    /// the request's steps so far before the block's second step; one before its first).
+    /// Such a request's next step likely recomputes, where it may migrate, so overlap
+    /// leaves it to be decided after the report.
+    pub fn likely_ends_block(&self) -> bool {
+        let masked = self.block_length - self.unmasked_in_block;
+        let per_step = match (self.block_steps, self.steps_done) {
+            (0, 0) => 1,
+            (0, steps) => self.unmasked.div_ceil(steps),
+            (steps, _) => self.unmasked_in_block.div_ceil(steps),
+        };
+        masked <= per_step
     }
 
     /// Whether the next step is the full-sequence step of its block (or replaces a lost cache).
@@ -208,6 +227,8 @@ impl Request {
             displaced_from: None,
             last_instance: None,
             pinned: spec.pinned_tau,
+            ahead: false,
+            ahead_tau: f64::NAN,
             alive: true,
         };
         let tokens = request.seq_tokens();

@@ -12,7 +12,7 @@ use super::decisions::{
 };
 use super::error::SchedError;
 use super::history::FinishedRequest;
-use super::instance::Instance;
+use super::instance::{AheadStep, Instance};
 use super::load_control::LoadControl;
 use super::placement::{Candidate, Placement};
 use super::predictor::{RequestView, StepsLeft};
@@ -63,6 +63,8 @@ struct Assignment {
     pos: u32,
     handle: u32,
     new_here: bool,
+    /// A step ahead of a request whose step in flight is on the same instance.
+    ahead: bool,
     kind: StepKind,
     request: u64,
     slo_left: f64,
@@ -79,6 +81,7 @@ impl Assignment {
             pos,
             handle: r.handle,
             new_here,
+            ahead: false,
             kind: r.next_kind,
             request: r.id,
             slo_left: r.deadline - now,
@@ -86,6 +89,22 @@ impl Assignment {
             block: r.current_block,
             unmasked_in_block: r.unmasked_in_block,
             next_estimate: r.next_step_estimate(caching),
+        }
+    }
+
+    /// *(ours)* The step after `r`'s step in flight on `inst`: likely a cache step over its
+    /// block (the worker resolves its kind), at the threshold chosen now.
+    fn ahead(inst: u32, pos: u32, r: &Request, now: f64, caching: bool) -> Self {
+        let kind = if caching {
+            StepKind::Cache
+        } else {
+            StepKind::NoCache
+        };
+        Self {
+            ahead: true,
+            kind,
+            tokens: r.next_step_estimate(caching),
+            ..Self::new(inst, pos, r, false, now, caching)
         }
     }
 }
@@ -217,6 +236,7 @@ impl Scheduler {
             now,
             choice,
             reservation.map(|r| r.slot),
+            config.overlap,
         );
         scratch.assigned.clear();
         scratch.free.clear();
@@ -230,6 +250,21 @@ impl Scheduler {
 
         for pos in 0..requests.len() as u32 {
             if !requests.ready(pos) {
+                let r = requests.req(pos);
+                let home = r.home.filter(|&h| {
+                    r.alive
+                        && !r.ahead
+                        && instances.slots[h as usize].busy
+                        && placement.open[h as usize]
+                });
+                if let Some(home) = home.filter(|_| !r.likely_ends_block()) {
+                    let n = r.next_step_estimate(caching);
+                    if placement.fits(home, &instances.slots[home as usize], n) {
+                        placement.add_fixed(home, n, !caching);
+                        let a = Assignment::ahead(home, pos, r, now, caching);
+                        scratch.assigned.push(a);
+                    }
+                }
                 continue;
             }
             let r = *requests.req(pos);
@@ -242,7 +277,7 @@ impl Scheduler {
             let open = placement.open[home as usize];
             if placement.fits(home, inst, n) {
                 // On a busy home the step waits for the next batch there; it counts anyway.
-                placement.add_fixed(home, inst, n, r.next_kind != StepKind::Cache);
+                placement.add_fixed(home, n, r.next_kind != StepKind::Cache);
                 if open {
                     requests.set_ready(pos, false);
                     // Stays on its home: the same instance as its last dispatch.
@@ -412,11 +447,20 @@ impl Scheduler {
             let costs = &groups[inst.group];
             let tokens = scratch.placement.tokens[slot];
             let full = scratch.placement.full_tokens[slot];
-            inst.busy = true;
-            inst.inflight_tokens = tokens;
-            inst.next_tokens = 0;
-            inst.started_at = now;
-            inst.predicted_s = costs.batch(full, tokens - full, mean_context(inst));
+            let predicted_s = costs.batch(full, tokens - full, mean_context(inst));
+            if inst.busy {
+                inst.ahead = Some(AheadStep {
+                    tokens,
+                    predicted_s,
+                    ..AheadStep::default()
+                });
+            } else {
+                inst.busy = true;
+                inst.inflight_tokens = tokens;
+                inst.next_tokens = 0;
+                inst.started_at = now;
+                inst.predicted_s = predicted_s;
+            }
             scratch.prices[slot] = step_prices(costs, inst, config.caching, config.block_length);
             let release_start = decisions.releases.len();
             decisions.releases.append(&mut inst.released);
@@ -425,7 +469,8 @@ impl Scheduler {
                 start,
                 len,
                 tokens,
-                predicted_finish: inst.predicted_finish(),
+                predicted_s: predicted_s * inst.factor,
+                predicted_finish: inst.free_at(),
                 release_start,
                 release_len: decisions.releases.len() - release_start,
             });
@@ -438,6 +483,7 @@ impl Scheduler {
             tau: f64::NAN,
             kind: StepKind::NoCache,
             new_here: false,
+            ahead: false,
             tokens: 0,
             block: 0,
             unmasked_in_block: 0,
@@ -500,8 +546,18 @@ impl Scheduler {
                 tau = pinned;
                 why.reason = ThresholdReason::Pinned;
             }
-            requests.set_last_tau(a.pos, tau);
-            instances.slots[a.inst as usize].next_tokens += a.next_estimate;
+            if a.ahead {
+                let r = requests.req_mut(a.pos);
+                r.ahead = true;
+                r.ahead_tau = tau;
+            } else {
+                requests.set_last_tau(a.pos, tau);
+            }
+            let inst = &mut instances.slots[a.inst as usize];
+            match &mut inst.ahead {
+                Some(step) => step.next_tokens += a.next_estimate,
+                None => inst.next_tokens += a.next_estimate,
+            }
             let at = scratch.cursor[a.inst as usize];
             scratch.cursor[a.inst as usize] += 1;
             decisions.entries[at] = BatchEntry {
@@ -509,6 +565,7 @@ impl Scheduler {
                 tau,
                 kind: a.kind,
                 new_here: a.new_here,
+                ahead: a.ahead,
                 tokens: a.tokens,
                 block: a.block,
                 unmasked_in_block: a.unmasked_in_block,
@@ -518,9 +575,13 @@ impl Scheduler {
         }
         for (batch, &slot) in decisions.batches.iter().zip(&scratch.batch_slots) {
             let inst = &mut instances.slots[slot as usize];
-            inst.inflight.clear();
-            inst.inflight
-                .extend_from_slice(&scratch.entry_handles[batch.start..batch.start + batch.len]);
+            let handles = &scratch.entry_handles[batch.start..batch.start + batch.len];
+            let step = match &mut inst.ahead {
+                Some(step) => &mut step.handles,
+                None => &mut inst.inflight,
+            };
+            step.clear();
+            step.extend_from_slice(handles);
         }
     }
 }

@@ -104,6 +104,13 @@ impl<'a> Simulation<'a> {
                 "the scheduler must be fresh: no instances, no requests".into(),
             ));
         }
+        if sched.config().overlap {
+            return Err(SimError::Cluster(
+                "the simulator models the synchronous round trip (its engine costs \
+                 `step_overhead_s` a step): set overlap off"
+                    .into(),
+            ));
+        }
         if !(options.round_quantum_s.is_finite() && options.round_quantum_s >= 0.0) {
             return Err(SimError::Cluster(format!(
                 "round quantum must be finite and non-negative, got {}",
