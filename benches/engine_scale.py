@@ -5,6 +5,7 @@ per instance, a step costing 4 ms + 0.05 ms per request unless a line says other
 Lines (JSON):
 - `engine_idle_share_1inst`, `engine_idle_share_16inst`, `engine_idle_share_64inst_16ms`:
   1 − Σ worker busy time / (instances × wall), the load sent straight to `Engine`;
+- each with `synchronous`: the same with `overlap` off, measured beside it;
 - `engine_core_us_per_step`: CPU time of the engine's process per step at 64 instances (the
   closed-loop clients share that process: an upper bound of the engine's own time);
 - `http_idle_share_16inst`: the 16-instance load sent through the HTTP server by a separate
@@ -62,19 +63,35 @@ def profile_file(step_ms: float, per_request_ms: float, directory: str) -> str:
 
 
 def pin(pid: int, cores: set[int]) -> None:
-    if hasattr(os, "sched_setaffinity") and cores:
-        os.sched_setaffinity(pid, cores)
+    """Every thread of process `pid` (its ZeroMQ I/O thread too) to `cores`."""
+    if not hasattr(os, "sched_setaffinity") or not cores:
+        return
+    tasks = Path(f"/proc/{pid}/task")
+    for tid in [int(t.name) for t in tasks.iterdir()] if tasks.is_dir() else [pid]:
+        os.sched_setaffinity(tid, cores)
 
 
-def split_cores() -> tuple[set[int], set[int]]:
-    """(engine's cores, everyone else's)."""
+def _split_cores() -> tuple[set[int], set[int]]:
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
     return {cores[0]}, set(cores[1:]) or {cores[0]}
 
 
-def emulated_engine(instances: int, profile: str) -> Engine:
+#: (the engine's cores, everyone else's), taken before anything is pinned.
+ENGINE_CORES, OTHER_CORES = _split_cores()
+
+
+def split_cores() -> tuple[set[int], set[int]]:
+    """(engine's cores, everyone else's)."""
+    return ENGINE_CORES, OTHER_CORES
+
+
+def emulated_engine(instances: int, profile: str, overlap: bool = True) -> Engine:
     config = EngineConfig(
-        emulate=True, instances=(1,) * instances, profile=profile, max_requests_per_instance=64
+        emulate=True,
+        instances=(1,) * instances,
+        profile=profile,
+        max_requests_per_instance=64,
+        overlap=overlap,
     )
     return Engine(config, EmulatedLauncher(profile, hosts=max(1, (os.cpu_count() or 2) - 1)))
 
@@ -91,9 +108,11 @@ def idle_share(engine: Engine, before: dict, wall: float, instances: int) -> flo
     return 1.0 - busy / (instances * wall)
 
 
-async def direct(instances: int, profile: str, seconds: float) -> tuple[float, float, int]:
+async def direct(
+    instances: int, profile: str, seconds: float, overlap: bool = True
+) -> tuple[float, float, int]:
     """Idle share, engine-process CPU µs per step and steps, clients on the engine's loop."""
-    engine = emulated_engine(instances, profile)
+    engine = emulated_engine(instances, profile, overlap)
     async with engine:
         pin_hosts(engine)
         params = GenerationParams(max_tokens=MAX_TOKENS)
@@ -133,8 +152,8 @@ asyncio.run(main())
 """
 
 
-async def over_http(instances: int, profile: str, seconds: float) -> float:
-    engine = emulated_engine(instances, profile)
+async def over_http(instances: int, profile: str, seconds: float, overlap: bool = True) -> float:
+    engine = emulated_engine(instances, profile, overlap)
     async with serving(engine, ServerSettings("dilaserve-tiny")) as url:
         pin_hosts(engine)
         _, others = split_cores()
@@ -239,12 +258,28 @@ def main() -> None:
         scale["64inst_16ms"] = (8 if args.quick else 64, slow)
         for name, (instances, profile) in scale.items():
             share, us, steps = asyncio.run(direct(instances, profile, seconds))
-            emit(f"engine_idle_share_{name}", share, "share", instances=instances, steps=steps)
+            sync, sync_us, _ = asyncio.run(direct(instances, profile, seconds, overlap=False))
+            emit(
+                f"engine_idle_share_{name}",
+                share,
+                "share",
+                instances=instances,
+                steps=steps,
+                synchronous=round(sync, 4),
+            )
             if name == "64inst_16ms":
-                emit("engine_core_us_per_step", us, "us", instances=instances, steps=steps)
+                emit(
+                    "engine_core_us_per_step",
+                    us,
+                    "us",
+                    instances=instances,
+                    steps=steps,
+                    synchronous=round(sync_us, 1),
+                )
         instances = 4 if args.quick else 16
         share = asyncio.run(over_http(instances, fast, seconds))
-        emit("http_idle_share_16inst", share, "share", instances=instances)
+        sync = asyncio.run(over_http(instances, fast, seconds, overlap=False))
+        emit("http_idle_share_16inst", share, "share", instances=instances, synchronous=sync)
     for batch in (1, 64):
         ms, with_kernels = worker_host_ms(batch, 20 if args.quick else 200)
         emit(

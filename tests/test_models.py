@@ -12,8 +12,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dilaserve.models import CheckpointError, load_model, load_tokenizer, save_checkpoint
+from dilaserve.models import (
+    CheckpointError,
+    load_model,
+    load_tokenizer,
+    save_checkpoint,
+    text_decoder,
+)
 from dilaserve.models.testing import write_tiny_checkpoint
+from dilaserve.tiny import default_model_dir
+from dilaserve.tiny.tasks import make_problems
 from dilaserve.worker.kv_cache import KVCachePool
 
 # ---------------------------------------------------------------------------------------
@@ -688,6 +696,20 @@ def test_tokenizer_round_trips_with_config_special_tokens(family_dir):
     assert tokenizer.pad_token_id == config.pad_token_id
     assert tokenizer.eos_token_id == config.eos_token_id
     assert max(tokenizer.get_vocab().values()) < config.vocab_size
+
+
+def test_text_decoder_decodes_as_the_tokenizer_does(family_dir):
+    """The serving loop's decoder skips only `decode`'s input conversion."""
+    tokenizer = load_tokenizer(family_dir)
+    decode = text_decoder(tokenizer)
+    config = load_model(family_dir).config
+    ids = tokenizer.encode(TEXT.replace("<MASK>", "  "), add_special_tokens=False)
+    for sample in (ids, [config.mask_token_id, *ids, config.eos_token_id], [], ids[:3]):
+        assert decode(sample) == tokenizer.decode(sample, skip_special_tokens=True)
+    tiny = load_tokenizer(default_model_dir())  # the embedded model's tokenizer too
+    for problem in make_problems(20, 3):
+        ids = tiny.encode(problem.prompt + problem.answer, add_special_tokens=False)
+        assert text_decoder(tiny)(ids) == tiny.decode(ids, skip_special_tokens=True)
 
 
 def test_custom_tokenizer_class_loads_from_tokenizer_json(tmp_path):

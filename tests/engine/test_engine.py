@@ -294,7 +294,9 @@ def test_a_pinned_threshold_is_what_the_worker_ran_and_the_statistics_report(sha
     with shared_engine.patched(engine._channel, "send", spy):
         out = shared_engine.run(engine.complete(problem.prompt, params(problem, threshold=0.73)))
     assert out.stats.taus == (0.73,) * out.stats.steps and out.stats.steps > 0
-    assert sent == [0.73] * out.stats.steps
+    # Every step sent carried it; with overlap one more may have been sent ahead of the
+    # last, which the worker skipped (the step before finished the request).
+    assert set(sent) == {0.73} and out.stats.steps <= len(sent) <= out.stats.steps + 1
     ref = decode_alone(problem.prompt, gen_length(problem, 32), out.stats.taus)
     assert out.token_ids == ref.output_ids
 

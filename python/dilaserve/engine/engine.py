@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import numpy as np
 
+from dilaserve.models import text_decoder
 from dilaserve.predictor.serving import predictor_for
 from dilaserve.protocol import (
     RequestState,
@@ -140,6 +141,7 @@ class Engine:
         self.planner_degrees = self.degrees.for_planner(c, self.profile)
         self.builder = RequestBuilder(c, self.model_dir, self.profile)
         self.tokenizer = self.builder.tokenizer
+        self._decode = text_decoder(self.tokenizer)
         self._learns_predictor = served.model is None
         self.rates = None if served.rates is not None else self._assume_rates()
         self.default_slo_thresholds = default_slo_thresholds(
@@ -661,9 +663,6 @@ class Engine:
             if req.failed_steps >= self.config.max_step_retries:
                 self._fail(req, RequestFailedError(f"request {rid}: its step failed repeatedly"))
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
     # -- the loop --------------------------------------------------------------------------
 
     async def _loop(self) -> None:
@@ -679,8 +678,11 @@ class Engine:
         self._rounds += 1
         now = self.now()
         decisions = self.scheduler.schedule(now)
+        started = 0
         for batch, instance_id in enumerate(decisions.batch_instances.tolist()):
-            self._dispatch(self.instances[instance_id], decisions, batch)
+            started += self._dispatch(self.instances[instance_id], decisions, batch)
+        if started and self.config.overlap:
+            self._wake.set()  # the next round sends those instances their step ahead
         for instance_id in self.scheduler.drained_instances():
             inst = self.instances.get(instance_id)
             if inst is not None and inst.stopping and not inst.shutdown_sent:
@@ -688,11 +690,11 @@ class Engine:
                 inst.shutdown_sent = True
                 self._send(inst, Shutdown())
 
-    def _dispatch(self, inst: InstanceRecord, decisions: Decisions, batch: int) -> None:
+    def _dispatch(self, inst: InstanceRecord, decisions: Decisions, batch: int) -> bool:
         """Sends the scheduler's `batch` as it decided it, from its packed columns: its
         releases, the token state of requests new there, and each entry's τ and step
         kind (`AUTO` for a step ahead). With overlap the instance may be running a step: the
-        command queues behind it on the worker."""
+        command queues behind it on the worker. Returns whether the instance was idle."""
         d = decisions
         start = int(d.batch_starts[batch])
         entries = slice(start, start + int(d.batch_lens[batch]))
@@ -720,6 +722,7 @@ class Engine:
             self.step_times.steps_ahead += 1
         if not self._send(inst, command):
             self._abort(inst)
+        return inst.ahead is None
 
     def _send(self, inst: InstanceRecord, message: StepCommand | Shutdown) -> bool:
         if inst.handle is None:

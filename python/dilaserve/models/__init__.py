@@ -18,7 +18,7 @@ from .parallel import (
     allowed_degrees,
     check_degree,
 )
-from .tokenizer import UnrepresentableTextError, encode_prompt, load_tokenizer
+from .tokenizer import UnrepresentableTextError, encode_prompt, load_tokenizer, text_decoder
 
 __all__ = [
     "DREAM",
@@ -40,4 +40,5 @@ __all__ = [
     "load_tokenizer",
     "read_config",
     "save_checkpoint",
+    "text_decoder",
 ]
