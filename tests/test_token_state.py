@@ -129,3 +129,23 @@ def test_a_bad_report_changes_neither_the_tokens_nor_the_scheduler():
     with pytest.raises(StepReportError, match="missing|2"):
         s.apply_report(0, 0.01, report)
     assert s.token_state(1).steps_done == 0
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 4))
+def test_the_runners_block_local_finish_check_is_done(seed, blocks):
+    """The runner decides `done` from the committed block alone (`finished_after`); it
+    agrees with `RequestState.done`, which scans the whole output, after every step."""
+    from dilaserve.worker.runner import finished_after
+
+    rng = random.Random(seed)
+    state = RequestState.new(1, [5, 6], blocks * BLOCK, block_length=BLOCK, mask_token_id=MASK)
+    state.stop_token_ids = [EOS]
+    while not state.done:
+        block = state.current_block
+        masked = [
+            p for p in range(block * BLOCK, (block + 1) * BLOCK) if state.output_ids[p] == MASK
+        ]
+        positions = sorted(rng.sample(masked, rng.randint(1, len(masked))))
+        state.commit(block, positions, [rng.choice((1, 2, EOS)) for _ in positions])
+        assert finished_after(state, block) == state.done

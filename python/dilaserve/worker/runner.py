@@ -75,6 +75,8 @@ class _Held:
     extent: bool
     # The extent holds K/V of the current block's recompute step: a cache step may read it.
     cache_valid: bool = False
+    # `state.done`, kept by each commit from the committed block alone (`finished_after`).
+    done: bool = False
 
     @property
     def block_start(self) -> int:
@@ -195,7 +197,7 @@ class StepRunner:
         if self.pool is not None:
             self.pool.allocate(rid, state.seq_length)
         tokens = np.array(state.prompt_ids + state.output_ids, dtype=np.int64)
-        self._held[rid] = _Held(state.copy(), tokens, extent=self.pool is not None)
+        self._held[rid] = _Held(state.copy(), tokens, extent=self.pool is not None, done=state.done)
 
     def state(self, request_id: int) -> RequestState:
         """A copy of a resident request's current token state."""
@@ -210,7 +212,7 @@ class StepRunner:
 
     def finished(self, request_id: int) -> bool:
         """Whether a resident request's last step finished it (it waits to be released)."""
-        return self._get(request_id).state.done
+        return self._get(request_id).done
 
     def export(self, request_id: int) -> RequestState:
         """Removes a request for migration; refused while its next step would read K/V held
@@ -273,7 +275,7 @@ class StepRunner:
         h = self._get(rid)
         if not 0.0 <= entry.tau <= 1.0:
             raise StepRejectedError(f"request {rid}: threshold {entry.tau} is outside [0, 1]")
-        if h.state.done:
+        if h.done:
             raise StepRejectedError(f"request {rid} is already finished")
         if entry.kind not in self.cache_mode.step_kinds():
             raise StepRejectedError(
@@ -471,9 +473,23 @@ class StepRunner:
             and entry.kind is not StepKind.NO_CACHE
             and (h.cache_valid or entry.kind is StepKind.RECOMPUTE)
         )
-        done = state.done
+        h.done = done = finished_after(state, block)
         if done:
             self._free_extent(state.request_id, h)
         report.add_row(
             state.request_id, entry.kind, block, positions, committed, stats, done, timesteps
         )
+
+
+def finished_after(state: RequestState, block: int) -> bool:
+    """`state.done` after a commit to output block `block`, from that block alone: decoding
+    goes block by block, so the blocks before it are complete and hold no stop token (the
+    request would have ended there), and those after it are still masked."""
+    size = state.block_length
+    start = block * size
+    window = state.output_ids[start : start + size]
+    stops = state.stop_token_ids
+    if state.mask_token_id in window:
+        unmasked = window[: window.index(state.mask_token_id)]
+        return any(t in stops for t in unmasked)
+    return start + size >= len(state.output_ids) or any(t in stops for t in window)
