@@ -18,7 +18,8 @@ from dilaserve.engine import (
     RequestCancelledError,
     UnknownRequestError,
 )
-from dilaserve.protocol import StepReport
+from dilaserve.engine.transport import SendError
+from dilaserve.protocol import StepCommand, StepReport
 from dilaserve.tiny.tasks import check, gen_length, make_problems
 
 SEED = 424_242
@@ -277,6 +278,34 @@ def test_requests_submitted_together_are_admitted_all_or_none(shared_engine):
         return [[o async for o in h.engine.outputs(r)][-1].text for r in reqs]
 
     assert h.run(both()) == ["80235", "33333"]
+
+
+def test_a_command_that_cannot_be_sent_restarts_the_instance_and_fails_no_request(make_engine):
+    """Sends to a gone worker fail at once (`SendError`): its requests resume elsewhere
+    with no failed step counted against them (they used to fail after three), and the
+    instance is restarted rather than sent commands in vain."""
+    h = make_engine(instances=(1, 1))
+    engine = h.engine
+    send = engine._channel.send
+    refused: list[int] = []
+
+    def unreachable_once(worker_id, message):
+        if isinstance(message, StepCommand) and message.requests and not refused:
+            refused.append(worker_id)
+            raise SendError(f"worker {worker_id}: Host unreachable")
+        return send(worker_id, message)
+
+    problems = solvable(4, SEED + 5)
+    with h.patched(engine._channel, "send", unreachable_once):
+        outputs = h.run(complete_all(engine, problems, **PINNED))
+    assert refused and all(check(p, o.text) for p, o in zip(problems, outputs, strict=True))
+
+    async def restarted():
+        while not engine.restarts:
+            await asyncio.sleep(0.01)
+
+    h.run(restarted())  # its exit is noticed after the kill
+    assert engine.restarts == 1
 
 
 def test_a_pinned_threshold_is_what_the_worker_ran_and_the_statistics_report(shared_engine):

@@ -721,8 +721,18 @@ class Engine:
             inst.ahead = step
             self.step_times.steps_ahead += 1
         if not self._send(inst, command):
-            self._abort(inst)
+            self._unreachable(inst)
+            return False
         return inst.ahead is None
+
+    def _unreachable(self, inst: InstanceRecord) -> None:
+        """A command could not be handed to the worker: it is gone, or cut off. Its requests
+        resume elsewhere from the core's token state (no failed step is counted against
+        them: nothing ran), and the worker is killed, so that the instance restarts once its
+        exit is seen instead of being sent commands in vain until then."""
+        self._forget(inst)
+        if inst.handle is not None:
+            inst.handle.kill()
 
     def _send(self, inst: InstanceRecord, message: StepCommand | Shutdown) -> bool:
         if inst.handle is None:
