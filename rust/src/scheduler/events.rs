@@ -267,7 +267,7 @@ impl Scheduler {
                     if let Some(home) = r.home {
                         let inst = &mut self.instances.slots[home as usize];
                         inst.drop_resident(r.id, r.seq_tokens());
-                        if let Some(ahead) = inst.ahead.as_mut().filter(|_| r.ahead) {
+                        if let Some(ahead) = inst.ahead.as_mut().filter(|_| r.ahead_tau.is_some()) {
                             // The worker skips its step ahead: it knows the request ended.
                             ahead.handles.retain(|&h| h != r.handle);
                             ahead.cancelled.push(r.id);
@@ -296,13 +296,11 @@ impl Scheduler {
                         .filter(|c| !block_done && c.iter().all(|x| x.is_finite()));
                     self.requests.confidence[r.handle as usize] = confidence;
                     self.update_prediction(pos, was_full);
-                    if r.ahead {
+                    if let Some(tau) = r.ahead_tau {
                         // Its step ahead is the instance's next step in flight.
                         self.requests.set_ready(pos, false);
-                        self.requests.set_last_tau(pos, r.ahead_tau);
-                        let r = self.requests.req_mut(pos);
-                        r.ahead = false;
-                        r.ahead_tau = f64::NAN;
+                        self.requests.set_last_tau(pos, tau);
+                        self.requests.req_mut(pos).ahead_tau = None;
                     }
                 }
             }

@@ -128,8 +128,7 @@ impl Scheduler {
         let r = self.requests.req_mut(pos);
         r.home = None;
         r.displaced_from = Some((from, reason));
-        r.ahead = false;
-        r.ahead_tau = f64::NAN;
+        r.ahead_tau = None;
         if caching && r.next_kind == StepKind::Cache {
             r.next_kind = StepKind::Recompute;
             if online {

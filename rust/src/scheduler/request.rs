@@ -84,10 +84,9 @@ pub(crate) struct Request {
     pub last_instance: Option<u64>,
     /// Threshold every step of this request runs at ([`RequestSpec::pinned_tau`]).
     pub pinned: Option<f64>,
-    /// *(ours)* With overlap: a second step of this request is queued behind the one in
-    /// flight, at threshold `ahead_tau` (NaN when none is).
-    pub ahead: bool,
-    pub ahead_tau: f64,
+    /// *(ours)* With overlap: the threshold of this request's second step, queued behind
+    /// the one in flight (none when no step is ahead).
+    pub ahead_tau: Option<f64>,
     pub alive: bool,
 }
 
@@ -227,8 +226,7 @@ impl Request {
             displaced_from: None,
             last_instance: None,
             pinned: spec.pinned_tau,
-            ahead: false,
-            ahead_tau: f64::NAN,
+            ahead_tau: None,
             alive: true,
         };
         let tokens = request.seq_tokens();

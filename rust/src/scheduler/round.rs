@@ -253,7 +253,7 @@ impl Scheduler {
                 let r = requests.req(pos);
                 let home = r.home.filter(|&h| {
                     r.alive
-                        && !r.ahead
+                        && r.ahead_tau.is_none()
                         && instances.slots[h as usize].busy
                         && placement.open[h as usize]
                 });
@@ -547,9 +547,7 @@ impl Scheduler {
                 why.reason = ThresholdReason::Pinned;
             }
             if a.ahead {
-                let r = requests.req_mut(a.pos);
-                r.ahead = true;
-                r.ahead_tau = tau;
+                requests.req_mut(a.pos).ahead_tau = Some(tau);
             } else {
                 requests.set_last_tau(a.pos, tau);
             }
