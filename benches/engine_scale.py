@@ -6,17 +6,21 @@ Lines (JSON):
 - `engine_idle_share_1inst`, `engine_idle_share_16inst`, `engine_idle_share_64inst_16ms`:
   1 − Σ worker busy time / (instances × wall), the load sent straight to `Engine`;
 - each with `synchronous`: the same with `overlap` off, measured beside it;
-- `engine_core_us_per_step`: CPU time of the engine's process per step at 64 instances (the
-  closed-loop clients share that process: an upper bound of the engine's own time);
+- `engine_core_us_per_step`: CPU time of the engine core's process per step at 64
+  instances, the core in its own process (`EngineClient`) and the closed-loop clients in
+  the front end's; `in_process`: the CPU time of one process holding `Engine` and the
+  clients, measured beside it (an upper bound of the engine's own time);
 - `http_idle_share_16inst`: the 16-instance load sent through the HTTP server by a separate
-  load-generator process;
+  load-generator process, the engine core in its own process (as `dilaserve serve` runs
+  it); `in_process`: the same with `Engine` in the server's process;
 - `worker_host_ms_per_step_b1`, `worker_host_ms_per_step_b64`: a real worker's host time
   per step (packing, the host read, applying the commit), tiny model, dual cache: outside
   the model's forward and the commit's kernels, which a GPU runs (the commit is one fused
   launch); `with_commit_kernels_ms` counts those kernels too, as they run on this CPU.
 
-The machine's cores are split: the engine (and the direct clients) on core 0, the emulated
-workers and the HTTP load generator on the others (where the machine has them).
+The machine's cores are split: the engine core on core 0 (with the direct clients where
+they share its process), everything else (the emulated workers, the front end of a core
+process, the HTTP server and the load generator) on the others where the machine has them.
 `python benches/engine_scale.py [--seconds S] [--quick]`.
 """
 
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import subprocess
@@ -32,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dilaserve.engine import Engine, EngineConfig, GenerationParams
+from dilaserve.engine import Engine, EngineClient, EngineConfig, GenerationParams
 from dilaserve.engine.emulation import EmulatedLauncher
 from dilaserve.scheduler import LatencyProfile
 from dilaserve.server import ServerSettings, serving
@@ -85,7 +90,9 @@ def split_cores() -> tuple[set[int], set[int]]:
     return ENGINE_CORES, OTHER_CORES
 
 
-def emulated_engine(instances: int, profile: str, overlap: bool = True) -> Engine:
+def emulated_engine(
+    instances: int, profile: str, overlap: bool = True, core_process: bool = False
+) -> Engine | EngineClient:
     config = EngineConfig(
         emulate=True,
         instances=(1,) * instances,
@@ -93,7 +100,33 @@ def emulated_engine(instances: int, profile: str, overlap: bool = True) -> Engin
         max_requests_per_instance=64,
         overlap=overlap,
     )
-    return Engine(config, EmulatedLauncher(profile, hosts=max(1, (os.cpu_count() or 2) - 1)))
+    launcher = functools.partial(EmulatedLauncher, profile, hosts=max(1, (os.cpu_count() or 2) - 1))
+    return EngineClient(config, launcher) if core_process else Engine(config, launcher())
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            found += [int(child), *descendants(int(child))]
+    return found
+
+
+def pin_core_process(client: EngineClient) -> None:
+    """The core process to the engine's cores; its emulated hosts and this process (the
+    front end) to the others."""
+    engine_cores, others = split_cores()
+    core = client._process.pid
+    pin(core, engine_cores)
+    for pid in [*descendants(core), os.getpid()]:
+        pin(pid, others)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of process `pid` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def pin_hosts(engine: Engine) -> None:
@@ -106,6 +139,41 @@ def pin_hosts(engine: Engine) -> None:
 def idle_share(engine: Engine, before: dict, wall: float, instances: int) -> float:
     busy = engine.step_times.worker_s - before["worker_s"]
     return 1.0 - busy / (instances * wall)
+
+
+def status_idle_share(before, after, instances: int) -> float:
+    """Idle share between two status snapshots (a core process sends them)."""
+    busy = after.step_times["worker_s"] - before.step_times["worker_s"]
+    return 1.0 - busy / (instances * (after.taken_s - before.taken_s))
+
+
+async def closed_loop(engine: Engine | EngineClient, clients: int, seconds: float):
+    """`clients` closed-loop clients on `engine` until `seconds` from now."""
+    params = GenerationParams(max_tokens=MAX_TOKENS)
+    stop = time.monotonic() + seconds
+
+    async def client() -> None:
+        while time.monotonic() < stop:
+            (req,) = await engine.submit([(PROMPT, params)])
+            async for _ in engine.outputs(req):
+                pass
+
+    return asyncio.gather(*(client() for _ in range(clients)))
+
+
+async def core_process_us_per_step(instances: int, profile: str, seconds: float) -> float:
+    """CPU µs per step of a core process driven by closed-loop clients in this process."""
+    async with emulated_engine(instances, profile, core_process=True) as client:
+        pin_core_process(client)
+        clients = await closed_loop(client, REQUESTS_PER_INSTANCE * instances, seconds + 1.5)
+        await asyncio.sleep(1.0)  # warm up
+        before, cpu = client.status(), cpu_seconds(client._process.pid)
+        await asyncio.sleep(seconds)
+        after, cpu = client.status(), cpu_seconds(client._process.pid) - cpu
+        await clients
+        engine_cores, _ = split_cores()
+        pin(os.getpid(), engine_cores)
+        return 1e6 * cpu / max(after.step_times["steps"] - before.step_times["steps"], 1)
 
 
 async def direct(
@@ -152,10 +220,15 @@ asyncio.run(main())
 """
 
 
-async def over_http(instances: int, profile: str, seconds: float, overlap: bool = True) -> float:
-    engine = emulated_engine(instances, profile, overlap)
+async def over_http(
+    instances: int, profile: str, seconds: float, core_process: bool = True
+) -> float:
+    engine = emulated_engine(instances, profile, core_process=core_process)
     async with serving(engine, ServerSettings("dilaserve-tiny")) as url:
-        pin_hosts(engine)
+        if isinstance(engine, EngineClient):
+            pin_core_process(engine)
+        else:
+            pin_hosts(engine)
         _, others = split_cores()
         load = subprocess.Popen(
             [
@@ -172,12 +245,12 @@ async def over_http(instances: int, profile: str, seconds: float, overlap: bool 
         try:
             pin(load.pid, others)
             await asyncio.sleep(1.0)
-            before = dict(vars(engine.step_times))
-            wall = time.monotonic()
+            before = engine.status()
             await asyncio.sleep(seconds)
-            return idle_share(engine, before, time.monotonic() - wall, instances)
+            return status_idle_share(before, engine.status(), instances)
         finally:
             await asyncio.to_thread(load.wait)
+            pin(os.getpid(), split_cores()[0])
 
 
 def worker_host_ms(batch: int, steps: int) -> tuple[float, float]:
@@ -268,18 +341,19 @@ def main() -> None:
                 synchronous=round(sync, 4),
             )
             if name == "64inst_16ms":
+                core_us = asyncio.run(core_process_us_per_step(instances, profile, seconds))
                 emit(
                     "engine_core_us_per_step",
-                    us,
+                    core_us,
                     "us",
                     instances=instances,
-                    steps=steps,
-                    synchronous=round(sync_us, 1),
+                    in_process=round(us, 1),
+                    synchronous_in_process=round(sync_us, 1),
                 )
         instances = 4 if args.quick else 16
         share = asyncio.run(over_http(instances, fast, seconds))
-        sync = asyncio.run(over_http(instances, fast, seconds, overlap=False))
-        emit("http_idle_share_16inst", share, "share", instances=instances, synchronous=sync)
+        alone = asyncio.run(over_http(instances, fast, seconds, core_process=False))
+        emit("http_idle_share_16inst", share, "share", instances=instances, in_process=alone)
     for batch in (1, 64):
         ms, with_kernels = worker_host_ms(batch, 20 if args.quick else 200)
         emit(

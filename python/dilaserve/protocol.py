@@ -532,18 +532,23 @@ def encode(message: EngineMessage | WorkerMessage) -> bytes:
     return _encoder.encode((type(message).__name__, message))
 
 
-def _decode(frame: bytes, types: dict[str, type]) -> object:
+#: Decoders made once: a decoder per call rebuilds its type's plan every frame.
+_tagged = msgspec.msgpack.Decoder(tuple[str, msgspec.Raw])
+_ENGINE_DECODERS = {tag: msgspec.msgpack.Decoder(cls) for tag, cls in _ENGINE_TYPES.items()}
+_WORKER_DECODERS = {tag: msgspec.msgpack.Decoder(cls) for tag, cls in _WORKER_TYPES.items()}
+
+
+def _decode(frame: bytes, decoders: dict[str, msgspec.msgpack.Decoder]) -> object:
     try:
-        tag, body = msgspec.msgpack.decode(frame, type=tuple[str, msgspec.Raw])
-        cls = types[tag]
-        return msgspec.msgpack.decode(body, type=cls)
+        tag, body = _tagged.decode(frame)
+        return decoders[tag].decode(body)
     except (msgspec.DecodeError, KeyError, ValueError, TypeError) as exc:
         raise ProtocolError(f"undecodable frame: {exc}") from exc
 
 
 def decode_engine_message(frame: bytes) -> EngineMessage:
-    return _decode(frame, _ENGINE_TYPES)  # type: ignore[return-value]
+    return _decode(frame, _ENGINE_DECODERS)  # type: ignore[return-value]
 
 
 def decode_worker_message(frame: bytes) -> WorkerMessage:
-    return _decode(frame, _WORKER_TYPES)  # type: ignore[return-value]
+    return _decode(frame, _WORKER_DECODERS)  # type: ignore[return-value]

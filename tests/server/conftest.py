@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from dilaserve.engine import Engine, EngineConfig, Launcher
+from dilaserve.engine import Engine, EngineClient, EngineConfig, Launcher
 from dilaserve.engine.offline import LoopThread
 from dilaserve.server import ServerSettings, bind, serve
 
@@ -17,11 +17,22 @@ API_KEY = "test-key"  # test_server.py uses the same
 
 
 class LiveServer(LoopThread):
+    """With `core_process`, the engine core runs in its own process (`EngineClient`, as
+    `dilaserve serve` runs it); else in the server's (`Engine`), where tests can reach it."""
+
     def __init__(
-        self, config: EngineConfig, settings: ServerSettings, launcher: Launcher | None = None
+        self,
+        config: EngineConfig,
+        settings: ServerSettings,
+        launcher: Launcher | None = None,
+        core_process: bool = False,
     ) -> None:
         super().__init__()
-        self.engine = Engine(config, launcher)
+        if core_process:
+            assert launcher is None, "a core process makes its own launcher"
+            self.engine: Engine | EngineClient = EngineClient(config)
+        else:
+            self.engine = Engine(config, launcher)
         sock = bind("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         self.settings = settings
@@ -49,10 +60,14 @@ def _start_servers(tiny_profile: str) -> Iterator:
     started: list[LiveServer] = []
 
     def start(
-        settings: ServerSettings | None = None, launcher: Launcher | None = None, **config
+        settings: ServerSettings | None = None,
+        launcher: Launcher | None = None,
+        core_process: bool = False,
+        **config,
     ) -> LiveServer:
         engine_config = EngineConfig(**{"profile": tiny_profile, "threads_per_worker": 1, **config})
-        live = LiveServer(engine_config, settings or ServerSettings("dilaserve-tiny"), launcher)
+        settings = settings or ServerSettings("dilaserve-tiny")
+        live = LiveServer(engine_config, settings, launcher, core_process)
         started.append(live)
         return live
 
@@ -63,7 +78,8 @@ def _start_servers(tiny_profile: str) -> Iterator:
 
 @pytest.fixture
 def start_server(tiny_profile) -> Iterator:
-    """`start_server(settings, launcher, **config)` starts a server stopped after the test."""
+    """`start_server(settings, launcher, core_process, **config)` starts a server that is
+    stopped after the test."""
     yield from _start_servers(tiny_profile)
 
 

@@ -82,9 +82,9 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing(builder,
 
     monkeypatch.setattr("dilaserve.engine.admission.encode_prompt", no_tokenizing)
     with pytest.raises(BadRequestError, match="cannot fit"):
-        builder.prompt_ids("1" * 1_000_000)
+        builder.prompts.prompt_ids("1" * 1_000_000)
     with pytest.raises(BadRequestError, match="no room"):
-        builder.prompt_ids([5] * 1_000_000)
+        builder.prompts.prompt_ids([5] * 1_000_000)
 
 
 @pytest.mark.parametrize("value", HUGE)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 import tomllib
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 
 from dilaserve.cli.common import default_dtype
-from dilaserve.engine import Engine, EngineConfig, Launcher, LocalLauncher
+from dilaserve.engine import Engine, EngineClient, EngineConfig, Launcher, LocalLauncher
 from dilaserve.engine.config import ENGINE_SCHEDULER_SETTINGS
 from dilaserve.protocol import CacheMode
 from dilaserve.scheduler import POLICY_SETTINGS, PRESETS, Policy
@@ -48,6 +49,7 @@ DEFAULTS = {
     "emulate": False,
     "progress": None,
     "replan_interval": None,
+    "core_process": True,
     "dtype": None,
     "device": None,
     "host": "127.0.0.1",
@@ -116,6 +118,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--progress",
         help="progress model JSON of emulated workers (default: LLaDA-8B's, as the simulator's)",
+    )
+    p.add_argument(
+        "--core-process",
+        action=argparse.BooleanOptionalAction,
+        help="run the engine core (scheduler, workers' channel) in its own process, apart "
+        "from the HTTP front end that parses, tokenizes and decodes (default: on)",
     )
     p.add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"], help="bfloat16 on CUDA, else float32"
@@ -285,5 +293,10 @@ def run(args: argparse.Namespace) -> int:
         keepalive_timeout_s=values["keepalive_timeout"],
     )
     sock = bind(values["host"], values["port"])
-    asyncio.run(serve(Engine(config, launcher_from(values, config)), settings, sock))
+    if values["core_process"]:
+        launcher = functools.partial(launcher_from, values, config)
+        engine: Engine | EngineClient = EngineClient(config, launcher)
+    else:
+        engine = Engine(config, launcher_from(values, config))
+    asyncio.run(serve(engine, settings, sock))
     return 0

@@ -7,6 +7,7 @@ async with Engine(EngineConfig(instances=(1, 1))) as engine:
 ```
 """
 
+from .client import EngineClient
 from .config import EngineConfig, GenerationParams
 from .engine import Engine, InstanceRecord
 from .errors import (
@@ -27,6 +28,7 @@ __all__ = [
     "LLM",
     "BadRequestError",
     "Engine",
+    "EngineClient",
     "EngineConfig",
     "EngineError",
     "EngineStoppedError",

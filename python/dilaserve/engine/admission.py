@@ -22,50 +22,15 @@ from .config import EngineConfig, GenerationParams
 from .errors import BadRequestError
 
 
-class RequestBuilder:
-    def __init__(self, config: EngineConfig, model_dir: str, profile: LatencyProfile) -> None:
-        self.config = config
-        self.profile = profile
+class PromptEncoder:
+    """A prompt's checked token ids: what a front end needs of the model (its tokenizer
+    and sizes), without the engine's latency profile."""
+
+    def __init__(self, model_dir: str) -> None:
         _, self.model_config = read_config(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
         #: Most characters one token of the vocabulary spells (at least 1).
         self.max_token_chars = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
-
-    def build(
-        self, request_id: int, prompt: str | Sequence[int], params: GenerationParams
-    ) -> tuple[RequestState, float]:
-        """The request's token state and its SLO in seconds; raises `BadRequestError`.
-        Sizes are checked against the model's context before anything is allocated."""
-        params.validate()
-        ids = self.prompt_ids(prompt)
-        c, mc = self.config, self.model_config
-        block_length = params.block_length or c.block_length
-        positions = whole_blocks(params.max_tokens or c.default_max_tokens, block_length)
-        if len(ids) + positions > mc.max_position_embeddings:
-            raise BadRequestError(
-                f"{len(ids)} prompt tokens plus {positions} output positions exceed the "
-                f"model's context of {mc.max_position_embeddings} tokens"
-            )
-        try:
-            state = RequestState.new(
-                request_id,
-                ids,
-                params.max_tokens or c.default_max_tokens,
-                block_length=block_length,
-                mask_token_id=mc.mask_token_id,
-                stop_token_ids=mc.stop_token_ids if c.stop_at_eos else (),
-                temperature=params.temperature,
-                steps_per_block=params.steps_per_block,
-                alg=params.alg,
-                alg_temp=params.alg_temp,
-                top_p=params.top_p,
-                top_k=params.top_k,
-                seed=params.seed,
-            )
-        except TokenStateError as exc:
-            raise BadRequestError(str(exc)) from exc
-        slo = params.slo_s or c.slo_scale * self.isolated_latency(len(ids), state.output_length)
-        return state, slo
 
     def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         """The prompt's token ids; one that cannot fit the context is refused before it is
@@ -100,10 +65,73 @@ class RequestBuilder:
             )
         return ids
 
+
+class RequestBuilder:
+    def __init__(self, config: EngineConfig, model_dir: str, profile: LatencyProfile) -> None:
+        self.config = config
+        self.profile = profile
+        self.prompts = PromptEncoder(model_dir)
+        self.model_config = self.prompts.model_config
+        self.tokenizer = self.prompts.tokenizer
+
+    def build(
+        self, request_id: int, prompt: str | Sequence[int], params: GenerationParams
+    ) -> tuple[RequestState, float]:
+        """The request's token state and its SLO in seconds; raises `BadRequestError`.
+        Sizes are checked against the model's context before anything is allocated."""
+        params.validate()
+        ids = self.prompts.prompt_ids(prompt)
+        c, mc = self.config, self.model_config
+        block_length = params.block_length or c.block_length
+        positions = whole_blocks(params.max_tokens or c.default_max_tokens, block_length)
+        if len(ids) + positions > mc.max_position_embeddings:
+            raise BadRequestError(
+                f"{len(ids)} prompt tokens plus {positions} output positions exceed the "
+                f"model's context of {mc.max_position_embeddings} tokens"
+            )
+        try:
+            state = RequestState.new(
+                request_id,
+                ids,
+                params.max_tokens or c.default_max_tokens,
+                block_length=block_length,
+                mask_token_id=mc.mask_token_id,
+                stop_token_ids=mc.stop_token_ids if c.stop_at_eos else (),
+                temperature=params.temperature,
+                steps_per_block=params.steps_per_block,
+                alg=params.alg,
+                alg_temp=params.alg_temp,
+                top_p=params.top_p,
+                top_k=params.top_k,
+                seed=params.seed,
+            )
+        except TokenStateError as exc:
+            raise BadRequestError(str(exc)) from exc
+        slo = params.slo_s or c.slo_scale * self.isolated_latency(len(ids), state.output_length)
+        return state, slo
+
+    @property
+    def config(self) -> EngineConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: EngineConfig) -> None:
+        self._config = config
+        #: Tokens per step at the top threshold: the rate of the SLO unit (set with the
+        #: config, so that an arrival does not interpolate the rate table again).
+        self._top_rate = threshold_options(config)[-1].tokens_per_step
+
     def isolated_latency(self, prompt_len: int, output_len: int) -> float:
         """Estimated seconds of one request alone on a TP-1 instance at the top threshold
         (DESIGN §9's SLO unit)."""
-        return isolated_latency(self.config, self.profile, [Arrival(0.0, prompt_len, output_len)])
+        c = self.config
+        return mean_isolated_latency(
+            self.profile,
+            [Arrival(0.0, prompt_len, output_len)],
+            self._top_rate,
+            c.cache is not CacheMode.NONE,
+            c.block_length,
+        )
 
 
 def threshold_options(config: EngineConfig) -> list[ThresholdOption]:
@@ -115,17 +143,3 @@ def threshold_options(config: EngineConfig) -> list[ThresholdOption]:
     )
     taus, rates = zip(*table, strict=True)
     return [ThresholdOption(t, float(np.interp(t, taus, rates))) for t in sorted(config.thresholds)]
-
-
-def isolated_latency(
-    config: EngineConfig, profile: LatencyProfile, arrivals: Sequence[Arrival]
-) -> float:
-    """Mean seconds the `arrivals` take alone on TP-1 at the top threshold: the unit of
-    default SLOs and of the planner's SLO."""
-    return mean_isolated_latency(
-        profile,
-        arrivals,
-        threshold_options(config)[-1].tokens_per_step,
-        config.cache is not CacheMode.NONE,
-        config.block_length,
-    )

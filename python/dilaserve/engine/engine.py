@@ -51,6 +51,7 @@ from dilaserve.tiny import default_model_dir
 from .admission import RequestBuilder, threshold_options
 from .config import EngineConfig, GenerationParams
 from .degrees import ModelDegrees
+from .delivery import Delivery, QueuedDelivery
 from .emulation import EmulatedLauncher, emulated_config
 from .errors import (
     BadRequestError,
@@ -67,7 +68,7 @@ from .profiles import load_or_measure_profile
 from .quality import default_slo_thresholds, quality_floor
 from .rates import MIN_STEPS, OnlineRates
 from .reconfigure import Reconfigurer
-from .requests import RequestOutput, RequestStats, TrackedRequest
+from .requests import RequestOutput, RequestStats, TrackedRequest, read_outputs
 from .status import EngineStatus, InstanceStatus, PlanStatus
 from .transport import SendError, WorkerChannel
 
@@ -89,8 +90,14 @@ class Engine:
     `dilaserve.engine.LLM` from synchronous code).
     """
 
-    def __init__(self, config: EngineConfig | None = None, launcher: Launcher | None = None):
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        launcher: Launcher | None = None,
+        delivery: Delivery | None = None,
+    ):
         self.config = config or EngineConfig()
+        self._given_delivery = delivery
         if launcher is None and self.config.emulate:
             launcher = EmulatedLauncher(self.config.profile, self.config.progress)
         self.launcher = launcher or LocalLauncher()
@@ -141,7 +148,7 @@ class Engine:
         self.planner_degrees = self.degrees.for_planner(c, self.profile)
         self.builder = RequestBuilder(c, self.model_dir, self.profile)
         self.tokenizer = self.builder.tokenizer
-        self._decode = text_decoder(self.tokenizer)
+        self.delivery = self._given_delivery or QueuedDelivery(text_decoder(self.tokenizer))
         self._learns_predictor = served.model is None
         self.rates = None if served.rates is not None else self._assume_rates()
         self.default_slo_thresholds = default_slo_thresholds(
@@ -302,10 +309,17 @@ class Engine:
         self.reconfigurer.record(now, state.prompt_length, state.output_length)
         return req
 
+    async def submit(
+        self, requests: Sequence[tuple[str | Sequence[int], GenerationParams]]
+    ) -> list[TrackedRequest]:
+        """`add_requests` as a front end calls it (a core in another process answers
+        asynchronously)."""
+        return self.add_requests(requests)
+
     def encode(self, prompt: str) -> list[int]:
         """A prompt's token ids, checked against the model (`BadRequestError`). Safe to run
         in a worker thread, so that long prompts never hold up the engine's loop."""
-        return self.builder.prompt_ids(prompt)
+        return self.builder.prompts.prompt_ids(prompt)
 
     async def generate(
         self, prompt: str | Sequence[int], params: GenerationParams | None = None
@@ -317,23 +331,10 @@ class Engine:
             async for output in outputs:
                 yield output
 
-    async def outputs(self, req: TrackedRequest) -> AsyncIterator[RequestOutput]:
+    def outputs(self, req: TrackedRequest) -> AsyncIterator[RequestOutput]:
         """The updates of an admitted request (see `generate`); leaving the iteration early
         cancels it."""
-        finished = False
-        try:
-            while True:
-                item = await req.outputs.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.cancel(req.id)
+        return read_outputs(req.outputs, lambda: self.cancel(req.id))
 
     async def complete(
         self, prompt: str | Sequence[int], params: GenerationParams | None = None
@@ -360,6 +361,10 @@ class Engine:
         return req.stats(
             self.scheduler.served_so_far(request_id), tokens.completion_tokens, self.now()
         )
+
+    async def request_stats(self, request_id: int) -> RequestStats | None:
+        """`stats_of` as a front end calls it."""
+        return self.stats_of(request_id)
 
     def instance_of(self, request_id: int) -> int | None:
         """The instance holding a live request's state (None: none does)."""
@@ -402,6 +407,7 @@ class Engine:
             worker_restarts=self.restarts,
             step_times=dataclasses.asdict(self.step_times),
             tokens_per_step=self.tokens_per_step(),
+            taken_s=self.now(),
         )
 
     def _fail(self, req: TrackedRequest, error: BaseException) -> None:
@@ -409,7 +415,7 @@ class Engine:
         self._requests.pop(req.id, None)
         with contextlib.suppress(SchedulerError):  # not known there: refused at arrival
             self.scheduler.cancel(req.id)
-        req.outputs.put_nowait(error)
+        self.delivery.fail(req, error)
 
     def spawn(self, coroutine) -> asyncio.Task[None]:
         """Runs `coroutine` on the engine's loop until it ends or the engine stops."""
@@ -643,12 +649,10 @@ class Engine:
         for tau, steps, committed in outcome.rates:
             self._learn_rates(tau, steps, committed)
         for rid, ids in outcome.updates:
-            req = self._requests[rid]
-            req.outputs.put_nowait(req.update(ids, self._decode(ids)))
+            self.delivery.update(self._requests[rid], ids)
         for finished in outcome.finished:
             req = self._requests.pop(finished.served.id)
-            text = self._decode(finished.generated)
-            req.outputs.put_nowait(req.finish(finished, text, now))
+            self.delivery.finish(req, finished.generated, *req.ending(finished, now))
 
     def _abort(self, inst: InstanceRecord) -> None:
         """The step in flight on `inst` did not happen, nor the one sent ahead of it: their

@@ -5,13 +5,16 @@ step report is applied to it in one call, so a worker can be lost without losing
 request, and that state is what a migration or a restart sends to the next instance. Where
 a request lives and how it was served (its steps, τ, instances, migrations) is the core's
 record too (`FinishedRequest`). The engine keeps the request as admitted (prompt and
-decoding options), its output queue and the text sent so far. Text is streamed a block at
-a time, once every position of the block is committed, so text already sent never changes.
+decoding options) and its output queue; whoever decodes (the engine in process, or the
+front end of a core process) keeps the text sent so far (`TextStream`). Text is streamed a
+block at a time, once every position of the block is committed, so text already sent
+never changes.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
 from dilaserve.protocol import RequestState
@@ -62,6 +65,27 @@ class RequestOutput:
 
 
 @dataclass
+class TextStream:
+    """A request's text as sent so far: each update appends to it, so text already sent
+    never changes. Kept where the text is decoded (the engine, or the front end of a core
+    in another process)."""
+
+    request_id: int
+    sent_text: str = ""
+
+    def update(self, ids: list[int], text: str) -> RequestOutput:
+        """The update carrying `ids` and their decoded `text`, and what is new in it."""
+        delta = text[len(self.sent_text) :] if text.startswith(self.sent_text) else ""
+        self.sent_text = self.sent_text + delta
+        return RequestOutput(self.request_id, self.sent_text, delta, ids)
+
+    def final(self, ids: list[int], text: str, reason: str, stats: RequestStats) -> RequestOutput:
+        """The last update: every generated id, its text, why it ended and its stats."""
+        update = self.update(ids, text)
+        return RequestOutput(self.request_id, update.text, update.delta, ids, True, reason, stats)
+
+
+@dataclass
 class TrackedRequest:
     """Everything the engine knows of one live request."""
 
@@ -71,7 +95,9 @@ class TrackedRequest:
     slo_s: float
     outputs: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
     failed_steps: int = 0
-    sent_text: str = ""
+
+    def __post_init__(self) -> None:
+        self.text = TextStream(self.id)
 
     @property
     def id(self) -> int:
@@ -90,12 +116,6 @@ class TrackedRequest:
             block_steps=tokens.block_steps,
             timestep=tokens.timestep,
         )
-
-    def update(self, ids: list[int], text: str) -> RequestOutput:
-        """The update carrying `ids` and their decoded `text`, and what is new in it."""
-        delta = text[len(self.sent_text) :] if text.startswith(self.sent_text) else ""
-        self.sent_text = self.sent_text + delta
-        return RequestOutput(self.id, self.sent_text, delta, ids)
 
     def stats(self, served: FinishedRequest, completion_tokens: int, now: float) -> RequestStats:
         """How the request has been served so far (final once it finished), from the
@@ -116,17 +136,30 @@ class TrackedRequest:
             slo_met=latency <= self.slo_s,
         )
 
-    def finish(self, finished: FinishedOutput, text: str, now: float) -> RequestOutput:
-        """The last update; `text` decodes `finished.generated`."""
-        update = self.update(finished.generated, text)
+    def ending(self, finished: FinishedOutput, now: float) -> tuple[str, RequestStats]:
+        """Why the request ended ("stop": a stop token before every output position was
+        used, else "length") and its final statistics."""
         stopped = len(finished.generated) < self.state.output_length
         stats = self.stats(finished.served, finished.completion_tokens, now)
-        return RequestOutput(
-            self.id,
-            update.text,
-            update.delta,
-            update.token_ids,
-            True,
-            "stop" if stopped else "length",
-            stats,
-        )
+        return ("stop" if stopped else "length"), stats
+
+
+async def read_outputs(
+    queue: asyncio.Queue[RequestOutput | BaseException], cancel: Callable[[], None]
+) -> AsyncIterator[RequestOutput]:
+    """A request's updates from its queue until the last; the error that ended it is
+    raised. Leaving the iteration early calls `cancel`."""
+    finished = False
+    try:
+        while True:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                finished = True
+                raise item
+            finished = item.finished
+            yield item
+            if finished:
+                return
+    finally:
+        if not finished:
+            cancel()

@@ -5,12 +5,9 @@ process start), so a restarted instance is never confused with its dead predeces
 Sends never block the engine loop: a frame to a worker that is gone fails at once
 (`ROUTER_MANDATORY`), which the engine treats as a failed step.
 
-The socket is driven directly, not through pyzmq's asyncio futures (a future and its
-callbacks per frame were a third of the engine loop's time at 16 instances): sends are
-non-blocking calls, and a reader on the socket's file descriptor takes every frame waiting
-when it becomes readable. ZeroMQ signals that descriptor by edge, and a send may consume
-the edge of frames that arrived meanwhile, so after every send the channel checks for
-waiting frames itself.
+The socket is driven directly (`SocketPump`), not through pyzmq's asyncio futures (a
+future and its callbacks per frame were a third of the engine loop's time at 16
+instances).
 
 Workers on this machine connect over IPC (a socket file in a private directory); workers
 on other machines over TCP, to a port the system picks on the host address the launcher
@@ -82,56 +79,29 @@ class WorkerChannel:
                 self._context.term()
                 raise
             self.endpoint = f"tcp://{host}:{port}"
-        #: The same socket, driven without futures.
-        self._direct = zmq.Socket.shadow(self._socket.underlying)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._drain_pending = False
+        self._pump = SocketPump(self._socket, self._on_frames)
 
     def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(self._direct.FD, self._drain)
-        self._drain()
+        self._pump.start()
 
     def send(self, worker_id: int, message: EngineMessage) -> None:
-        frames = [str(worker_id).encode(), encode(message)]
         try:
-            self._direct.send_multipart(frames, zmq.NOBLOCK)
+            self._pump.send([str(worker_id).encode(), encode(message)])
         except zmq.ZMQError as exc:  # gone (ROUTER_MANDATORY), or 1000 frames behind
             raise SendError(f"worker {worker_id}: {exc}") from exc
-        finally:
-            self._check_waiting()
 
-    def _check_waiting(self) -> None:
-        """Schedules a drain if frames wait that the descriptor may no longer signal."""
-        if (
-            self._loop is not None
-            and not self._drain_pending
-            and self._direct.getsockopt(zmq.EVENTS) & zmq.POLLIN
-        ):
-            self._drain_pending = True
-            self._loop.call_soon(self._drain)
-
-    def _drain(self, most: int = 256) -> None:
-        """Handles the frames waiting, up to `most` before letting the loop run others."""
-        self._drain_pending = False
-        for _ in range(most):
-            try:
-                identity, frame = self._direct.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                worker_id = int(identity)
-                message = decode_worker_message(frame)
-            except (ValueError, ProtocolError) as exc:
-                log.error("dropping a frame from %r: %s", identity, exc)
-                continue
-            self._on_message(worker_id, message)
-        self._check_waiting()
+    def _on_frames(self, frames: list[bytes]) -> None:
+        try:
+            identity, frame = frames
+            worker_id = int(identity)
+            message = decode_worker_message(frame)
+        except (ValueError, ProtocolError) as exc:
+            log.error("dropping a frame from %r: %s", frames[0], exc)
+            return
+        self._on_message(worker_id, message)
 
     async def close(self) -> None:
-        if self._loop is not None:
-            self._loop.remove_reader(self._direct.FD)
-            self._loop = None
+        self._pump.stop()
         self._socket.close()
         if self._auth is not None:
             self._auth.stop()
@@ -157,3 +127,59 @@ class _Admits:
         level = logging.WARNING if self.refused == 1 else logging.DEBUG
         log.log(level, "refused a worker connection with an unknown key (%d so far)", self.refused)
         return False
+
+
+class SocketPump:
+    """Drives a ZeroMQ socket from the running asyncio loop without futures: sends are
+    non-blocking calls, and a reader on the socket's descriptor hands every waiting
+    message to `on_frames`. ZeroMQ signals that descriptor by edge, and a send may consume
+    the edge of messages that arrived meanwhile, so after every send the pump checks for
+    waiting messages itself."""
+
+    def __init__(self, socket: zmq.Socket, on_frames: Callable[[list[bytes]], None]) -> None:
+        self._socket = zmq.Socket.shadow(socket.underlying)
+        self._on_frames = on_frames
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_pending = False
+
+    @property
+    def started(self) -> bool:
+        return self._loop is not None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._socket.FD, self._drain)
+        self._drain()
+
+    def stop(self) -> None:
+        if self._loop is not None:
+            self._loop.remove_reader(self._socket.FD)
+            self._loop = None
+
+    def send(self, frames: list[bytes]) -> None:
+        """Raises `zmq.ZMQError` where the message cannot be queued now."""
+        try:
+            self._socket.send_multipart(frames, zmq.NOBLOCK)
+        finally:
+            self._check_waiting()
+
+    def _check_waiting(self) -> None:
+        """Schedules a drain if messages wait that the descriptor may no longer signal."""
+        if (
+            self._loop is not None
+            and not self._drain_pending
+            and self._socket.getsockopt(zmq.EVENTS) & zmq.POLLIN
+        ):
+            self._drain_pending = True
+            self._loop.call_soon(self._drain)
+
+    def _drain(self, most: int = 256) -> None:
+        """Handles the messages waiting, up to `most` before letting the loop run others."""
+        self._drain_pending = False
+        for _ in range(most):
+            try:
+                frames = self._socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._on_frames(frames)
+        self._check_waiting()

@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from dilaserve.engine import (
     BadRequestError,
     Engine,
+    EngineClient,
     EngineError,
     RequestOutput,
     RequestStats,
@@ -33,7 +34,7 @@ from .errors import APIError, bad_request, from_engine
 from .metrics import Metrics
 from .openai_api import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, decode
 from .responses import ResponseShape, usage
-from .streaming import StopText
+from .streaming import StopText, tokens_spelling
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class ServerSettings:
 class Server:
     """The state behind the routes: the engine, its metrics and the settings."""
 
-    def __init__(self, engine: Engine, settings: ServerSettings) -> None:
+    def __init__(self, engine: Engine | EngineClient, settings: ServerSettings) -> None:
         self.engine = engine
         self.settings = settings
         self.metrics = Metrics(engine)
@@ -178,7 +179,7 @@ class Server:
             )
         ids = await self._encode(prompts)
         try:
-            reqs = self.engine.add_requests([(p, params) for p in ids for params in samples])
+            reqs = await self.engine.submit([(p, params) for p in ids for params in samples])
         except EngineError as exc:
             self.metrics.ended(type(exc).__name__)
             if isinstance(exc, BadRequestError) and exc.index is not None and len(prompts) > 1:
@@ -244,7 +245,8 @@ class Server:
                 raise
             yield stop.feed(choice.last.delta, final=choice.last.finished), choice.last
         if stop.stopped and not choice.last.finished:
-            self._ending(choice)  # its statistics, while the request still runs
+            self.metrics.ended("stop_string")  # its statistics, while the request still runs
+            choice.ending = "stop", await self.engine.request_stats(choice.last.request_id)
             await choice.outputs.aclose()  # which cancels its remaining steps
 
     async def _complete(
@@ -326,33 +328,31 @@ class Server:
         return response
 
     def _ending(self, choice: _Choice) -> tuple[str, RequestStats | None]:
-        """Finish reason and statistics; a request cut by a stop string ends here, and
-        leaving the output stream cancels its remaining steps. Counted once per choice."""
+        """Finish reason and statistics of a choice whose request finished (one cut by a
+        stop string has its ending already). Counted once per choice."""
         if choice.ending is not None:
             return choice.ending
         last = choice.last
-        assert last is not None
-        if last.finished:
-            self.metrics.finished(last.stats)
-            choice.ending = ("stop" if choice.stop.stopped else last.finish_reason), last.stats
-        else:
-            self.metrics.ended("stop_string")
-            choice.ending = "stop", self.engine.stats_of(last.request_id)
+        assert last is not None and last.finished
+        self.metrics.finished(last.stats)
+        choice.ending = ("stop" if choice.stop.stopped else last.finish_reason), last.stats
         return choice.ending
 
     async def _usage(self, prompt_tokens: int, choices: list[_Choice]) -> dict:
         """Token counts: a completion's tokens as its statistics count them, or, cut by a
-        stop string, its text's (tokenized off the event loop)."""
+        stop string, the generated tokens that spell the text it kept (counted off the
+        event loop from the ids the engine sent, never by tokenizing the text again)."""
         completion = 0
         for c in choices:
             if c.stop.stopped:
-                completion += len(await asyncio.to_thread(self._token_ids, c.stop.text))
+                ids, kept = c.last.token_ids, len(c.stop.text)
+                completion += await asyncio.to_thread(tokens_spelling, self._spell, ids, kept)
             else:
                 completion += self._ending(c)[1].completion_tokens
         return usage(prompt_tokens, completion)
 
-    def _token_ids(self, text: str) -> list[int]:
-        return self.engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+    def _spell(self, ids: list[int]) -> str:
+        return self.engine.tokenizer.decode(ids, skip_special_tokens=True)
 
     # -- information -----------------------------------------------------------------------
 

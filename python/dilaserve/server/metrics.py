@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from dilaserve.engine import Engine, RequestStats
+from dilaserve.engine import Engine, EngineClient, RequestStats
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
 STEP_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -21,7 +21,7 @@ TAU_BUCKETS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 class Metrics:
     """One registry per server: no process-global metric state."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine | EngineClient) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.latency = Histogram(
@@ -84,7 +84,7 @@ class Metrics:
 
 
 class EngineCollector(Collector):
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine | EngineClient) -> None:
         self.engine = engine
 
     def collect(self) -> Iterator[Metric]:

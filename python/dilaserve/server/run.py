@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from dilaserve.engine import Engine
+from dilaserve.engine import Engine, EngineClient
 
 from .app import Server, ServerSettings
 from .connections import ConnectionLimits
@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 
 async def serve(
-    engine: Engine,
+    engine: Engine | EngineClient,
     settings: ServerSettings,
     sock: socket.socket,
     started: asyncio.Event | None = None,
@@ -55,7 +55,7 @@ async def serve(
 
 
 @contextlib.asynccontextmanager
-async def serving(engine: Engine, settings: ServerSettings) -> AsyncIterator[str]:
+async def serving(engine: Engine | EngineClient, settings: ServerSettings) -> AsyncIterator[str]:
     """Starts `engine` and serves it on a free loopback port for the block; yields the
     base URL, and stops both when the block ends."""
     sock = bind("127.0.0.1", 0)

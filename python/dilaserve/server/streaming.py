@@ -3,6 +3,8 @@ turn out to start one (a block's text is final, but a stop string may span block
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 
 class StopText:
     def __init__(self, stops: list[str]) -> None:
@@ -27,3 +29,17 @@ class StopText:
         out = self.text[self.sent : upto]
         self.sent = upto
         return out
+
+
+def tokens_spelling(decode: Callable[[Sequence[int]], str], ids: Sequence[int], chars: int) -> int:
+    """The fewest leading `ids` whose text has at least `chars` characters: how many of
+    a completion's tokens its text, cut by a stop string, kept (a binary search, so a
+    long completion costs a few decodes of its prefixes)."""
+    low, high = 0, len(ids)
+    while low < high:
+        mid = (low + high) // 2
+        if len(decode(ids[:mid])) >= chars:
+            high = mid
+        else:
+            low = mid + 1
+    return low
