@@ -4,12 +4,13 @@ per instance, a step costing 4 ms + 0.05 ms per request unless a line says other
 
 Lines (JSON):
 - `engine_idle_share_1inst`, `engine_idle_share_16inst`, `engine_idle_share_64inst_16ms`:
-  1 − Σ worker busy time / (instances × wall), the load sent straight to `Engine`;
-- each with `synchronous`: the same with `overlap` off, measured beside it;
+  1 − Σ worker busy time / (instances × wall), the load offered by closed-loop clients in
+  the front end's process (`EngineClient`) to the engine core in its own;
+- each with `synchronous` (the same with `overlap` off) and `in_process` (`Engine` with
+  the clients on its own loop), measured beside it;
 - `engine_core_us_per_step`: CPU time of the engine core's process per step at 64
-  instances, the core in its own process (`EngineClient`) and the closed-loop clients in
-  the front end's; `in_process`: the CPU time of one process holding `Engine` and the
-  clients, measured beside it (an upper bound of the engine's own time);
+  instances (`in_process`: of the one process holding `Engine` and the clients, an upper
+  bound of the engine's own time);
 - `http_idle_share_16inst`: the 16-instance load sent through the HTTP server by a separate
   load-generator process, the engine core in its own process (as `dilaserve serve` runs
   it); `in_process`: the same with `Engine` in the server's process;
@@ -136,11 +137,6 @@ def pin_hosts(engine: Engine) -> None:
         pin(host.process.pid, others)
 
 
-def idle_share(engine: Engine, before: dict, wall: float, instances: int) -> float:
-    busy = engine.step_times.worker_s - before["worker_s"]
-    return 1.0 - busy / (instances * wall)
-
-
 def status_idle_share(before, after, instances: int) -> float:
     """Idle share between two status snapshots (a core process sends them)."""
     busy = after.step_times["worker_s"] - before.step_times["worker_s"]
@@ -161,47 +157,28 @@ async def closed_loop(engine: Engine | EngineClient, clients: int, seconds: floa
     return asyncio.gather(*(client() for _ in range(clients)))
 
 
-async def core_process_us_per_step(instances: int, profile: str, seconds: float) -> float:
-    """CPU µs per step of a core process driven by closed-loop clients in this process."""
-    async with emulated_engine(instances, profile, core_process=True) as client:
-        pin_core_process(client)
-        clients = await closed_loop(client, REQUESTS_PER_INSTANCE * instances, seconds + 1.5)
-        await asyncio.sleep(1.0)  # warm up
-        before, cpu = client.status(), cpu_seconds(client._process.pid)
-        await asyncio.sleep(seconds)
-        after, cpu = client.status(), cpu_seconds(client._process.pid) - cpu
-        await clients
-        engine_cores, _ = split_cores()
-        pin(os.getpid(), engine_cores)
-        return 1e6 * cpu / max(after.step_times["steps"] - before.step_times["steps"], 1)
-
-
 async def direct(
-    instances: int, profile: str, seconds: float, overlap: bool = True
+    instances: int, profile: str, seconds: float, overlap: bool = True, core_process: bool = True
 ) -> tuple[float, float, int]:
-    """Idle share, engine-process CPU µs per step and steps, clients on the engine's loop."""
-    engine = emulated_engine(instances, profile, overlap)
-    async with engine:
-        pin_hosts(engine)
-        params = GenerationParams(max_tokens=MAX_TOKENS)
-        stop = time.monotonic() + seconds + 1.0
-
-        async def client() -> None:
-            while time.monotonic() < stop:
-                await engine.complete(PROMPT, params)
-
-        clients = [
-            asyncio.ensure_future(client()) for _ in range(REQUESTS_PER_INSTANCE * instances)
-        ]
+    """Idle share, the engine core's CPU µs per step and its steps, with closed-loop clients
+    in this process: the front end of a core process, or `Engine`'s own (the CPU time is
+    then this process's, the clients' included)."""
+    async with emulated_engine(instances, profile, overlap, core_process) as engine:
+        if isinstance(engine, EngineClient):
+            pin_core_process(engine)
+            pid = engine._process.pid
+        else:
+            pin_hosts(engine)
+            pid = os.getpid()
+        clients = await closed_loop(engine, REQUESTS_PER_INSTANCE * instances, seconds + 1.5)
         await asyncio.sleep(1.0)  # warm up
-        before = dict(vars(engine.step_times))
-        cpu, wall = time.process_time(), time.monotonic()
+        before, cpu = engine.status(), cpu_seconds(pid)
         await asyncio.sleep(seconds)
-        cpu, wall = time.process_time() - cpu, time.monotonic() - wall
-        steps = engine.step_times.steps - before["steps"]
-        share = idle_share(engine, before, wall, instances)
-        await asyncio.gather(*clients)
-        return share, 1e6 * cpu / max(steps, 1), steps
+        after, cpu = engine.status(), cpu_seconds(pid) - cpu
+        await clients
+    pin(os.getpid(), split_cores()[0])
+    steps = int(after.step_times["steps"] - before.step_times["steps"])
+    return status_idle_share(before, after, instances), 1e6 * cpu / max(steps, 1), steps
 
 
 LOADGEN = """
@@ -332,6 +309,9 @@ def main() -> None:
         for name, (instances, profile) in scale.items():
             share, us, steps = asyncio.run(direct(instances, profile, seconds))
             sync, sync_us, _ = asyncio.run(direct(instances, profile, seconds, overlap=False))
+            alone, alone_us, _ = asyncio.run(
+                direct(instances, profile, seconds, core_process=False)
+            )
             emit(
                 f"engine_idle_share_{name}",
                 share,
@@ -339,21 +319,27 @@ def main() -> None:
                 instances=instances,
                 steps=steps,
                 synchronous=round(sync, 4),
+                in_process=round(alone, 4),
             )
             if name == "64inst_16ms":
-                core_us = asyncio.run(core_process_us_per_step(instances, profile, seconds))
                 emit(
                     "engine_core_us_per_step",
-                    core_us,
+                    us,
                     "us",
                     instances=instances,
-                    in_process=round(us, 1),
-                    synchronous_in_process=round(sync_us, 1),
+                    synchronous=round(sync_us, 1),
+                    in_process=round(alone_us, 1),
                 )
         instances = 4 if args.quick else 16
         share = asyncio.run(over_http(instances, fast, seconds))
         alone = asyncio.run(over_http(instances, fast, seconds, core_process=False))
-        emit("http_idle_share_16inst", share, "share", instances=instances, in_process=alone)
+        emit(
+            "http_idle_share_16inst",
+            share,
+            "share",
+            instances=instances,
+            in_process=round(alone, 4),
+        )
     for batch in (1, 64):
         ms, with_kernels = worker_host_ms(batch, 20 if args.quick else 200)
         emit(
