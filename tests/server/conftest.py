@@ -51,8 +51,9 @@ class LiveServer(LoopThread):
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, **kw)
 
     def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.stopping.set)
-        self.task.result(120)
+        if not self.task.done():  # one that ended (its engine core died) was checked
+            self.loop.call_soon_threadsafe(self.stopping.set)
+            self.task.result(120)
         self.stop()
 
 

@@ -4,6 +4,7 @@ HTTP front end tokenizes, decodes and counts usage; the core sees token ids only
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -89,20 +90,32 @@ def test_tokens_spelling_is_the_fewest_leading_ids_that_spell_the_text():
     assert [tokens_spelling(decode, ids, n) for n in range(7)] == [0, 1, 1, 2, 4, 4, 4]
 
 
-def test_a_core_that_dies_fails_its_requests_and_the_server_says_so(start_server):
-    live = start_server(core_process=True, instances=(1,))
+def test_a_core_that_dies_fails_its_requests_and_stops_the_server(start_server):
+    live = start_server(core_process=True, instances=(1,), stop_at_eos=False)
+    client = live.client()
     assert (
-        live.client()
-        .completions.create(model="dilaserve-tiny", prompt="12345+67890=", max_tokens=8)
+        client.completions.create(model="dilaserve-tiny", prompt="12345+67890=", max_tokens=8)
         .choices[0]
         .text
         == "80235"
     )
+    with urllib.request.urlopen(f"{live.url}/ready") as response:
+        assert json.load(response) == {"ready": True}
+    stream = client.completions.create(
+        model="dilaserve-tiny",
+        prompt="1+1=",
+        max_tokens=480,
+        stream=True,
+        extra_body={"steps_per_block": 32},  # 480 steps: it runs when the core dies
+    )
+    next(iter(stream))  # the request is admitted and running
     os.kill(live.engine._process.pid, signal.SIGKILL)
-    wait_for(lambda: not live.engine._running)
-    with pytest.raises(openai.APIStatusError) as refused:
-        live.client().completions.create(model="dilaserve-tiny", prompt="1+1=", max_tokens=8)
-    assert refused.value.status_code == 503
+    with pytest.raises(openai.APIError):
+        for chunk in stream:
+            assert chunk.choices[0].finish_reason is None, "it did not finish"
+    with pytest.raises(EngineStoppedError, match="core exited"):
+        live.task.result(60)  # the server stops: it does not pose as alive
+    assert not live.engine.status().ready
 
 
 def test_a_core_that_cannot_start_says_why(tiny_profile, tmp_path):
@@ -114,3 +127,24 @@ def test_a_core_that_cannot_start_says_why(tiny_profile, tmp_path):
 
     with pytest.raises(EngineStoppedError, match="missing.json"):
         asyncio.run(start())
+
+
+def test_a_submit_its_caller_leaves_does_not_leave_requests_running(tiny_profile):
+    """A caller cancelled while the core admits its requests (a client that disconnects):
+    the admitted requests are cancelled, not left to run to their end unread."""
+    config = EngineConfig(instances=(1,), profile=tiny_profile, stop_at_eos=False)
+    long = GenerationParams(max_tokens=480, steps_per_block=32)  # 480 steps
+
+    async def scenario() -> tuple[int, int]:
+        async with EngineClient(config) as engine:
+            submit = asyncio.ensure_future(engine.submit([("1+1=", long)]))
+            await asyncio.sleep(0)  # sent; the core's answer is on its way
+            submit.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await submit
+            left = engine.status().taken_s
+            while engine.status().taken_s < left + 1.0:  # a status from well after it
+                await asyncio.sleep(0.05)
+            return engine.status().active_requests, len(engine._requests)
+
+    assert asyncio.run(scenario()) == (0, 0)

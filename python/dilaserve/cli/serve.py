@@ -13,13 +13,21 @@ import dataclasses
 import functools
 import logging
 import os
+import sys
 import tomllib
 from pathlib import Path
 
 import torch
 
 from dilaserve.cli.common import default_dtype
-from dilaserve.engine import Engine, EngineClient, EngineConfig, Launcher, LocalLauncher
+from dilaserve.engine import (
+    Engine,
+    EngineClient,
+    EngineConfig,
+    EngineStoppedError,
+    Launcher,
+    LocalLauncher,
+)
 from dilaserve.engine.config import ENGINE_SCHEDULER_SETTINGS
 from dilaserve.protocol import CacheMode
 from dilaserve.scheduler import POLICY_SETTINGS, PRESETS, Policy
@@ -298,5 +306,9 @@ def run(args: argparse.Namespace) -> int:
         engine: Engine | EngineClient = EngineClient(config, launcher)
     else:
         engine = Engine(config, launcher_from(values, config))
-    asyncio.run(serve(engine, settings, sock))
+    try:
+        asyncio.run(serve(engine, settings, sock))
+    except EngineStoppedError as exc:  # the core failed to start, or ended on its own
+        print(f"dilaserve serve: error: {exc}", file=sys.stderr)
+        return 1
     return 0

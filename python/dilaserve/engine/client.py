@@ -129,6 +129,9 @@ class EngineClient:
         self._decode = text_decoder(self.tokenizer)
         self._dir = tempfile.mkdtemp(prefix="dilaserve-core-")
         endpoint = f"ipc://{self._dir}/core.sock"
+        level = logging.getLogger().getEffectiveLevel()
+        # Pickled first: a launcher that cannot be is refused before a process exists.
+        arguments = pickle.dumps((self.config, self._launcher, endpoint, level, os.getpid()))
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.PAIR)
         for option in (zmq.SNDHWM, zmq.RCVHWM, zmq.LINGER):
@@ -145,17 +148,22 @@ class EngineClient:
             "from dilaserve.engine.core_process import main; main()",
             stdin=asyncio.subprocess.PIPE,
         )
-        level = logging.getLogger().getEffectiveLevel()
-        assert self._process.stdin is not None
-        self._process.stdin.write(pickle.dumps((self.config, self._launcher, endpoint, level)))
-        self._process.stdin.close()
         self._watch = loop.create_task(self._watch_core())
         try:
+            assert self._process.stdin is not None
+            self._process.stdin.write(arguments)
+            self._process.stdin.close()
             await self._started
         except BaseException:
             await self._stop_core()
             raise
-        self._running = True
+        self._running = not self._exited.done()
+
+    @property
+    def exited(self) -> asyncio.Future[None]:
+        """Done once the core process has ended (after `shutdown`, or on its own)."""
+        assert self._exited is not None, "the engine has not started"
+        return self._exited
 
     async def shutdown(self) -> None:
         """Stops the core and its workers; requests still running fail with
@@ -166,54 +174,62 @@ class EngineClient:
         await self._stop_core()
 
     async def _stop_core(self) -> None:
+        """Asks the core to stop (SIGTERM where it cannot be told yet), kills it if it has
+        not exited in time, and closes this end."""
         assert self._process is not None and self._exited is not None
-        if not self._exited.done():
-            with contextlib.suppress(zmq.ZMQError):
-                self._pump.send([encoder.encode(Stop())])
-            try:
-                await asyncio.wait_for(asyncio.shield(self._exited), STOP_TIMEOUT_S)
-            except TimeoutError:
-                log.error("the engine core did not stop within %.0f s; killing it", STOP_TIMEOUT_S)
+        try:
+            if not self._exited.done():
+                try:
+                    self._pump.send([encoder.encode(Stop())])
+                except zmq.ZMQError:  # not connected yet: its SIGTERM handler stops it
+                    self._process.terminate()
+                try:
+                    await asyncio.wait_for(asyncio.shield(self._exited), STOP_TIMEOUT_S)
+                except TimeoutError:
+                    log.error("the engine core did not stop in %.0f s; killing it", STOP_TIMEOUT_S)
+        finally:
+            if self._process.returncode is None:
                 self._process.kill()
-                await self._exited
-        self._pump.stop()
-        self._socket.close()
-        self._context.term()
-        with contextlib.suppress(OSError):
-            os.unlink(f"{self._dir}/core.sock")
-        with contextlib.suppress(OSError):
-            os.rmdir(self._dir)
-        self._process = None
+            self._pump.stop()
+            self._socket.close()
+            self._context.term()
+            with contextlib.suppress(OSError):
+                os.unlink(f"{self._dir}/core.sock")
+            with contextlib.suppress(OSError):
+                os.rmdir(self._dir)
+            self._process = None
 
     async def _watch_core(self) -> None:
-        """Once the core process ends, everything waiting on it fails."""
+        """Once the core process ends, everything waiting on it fails, and the status says
+        no instance serves."""
         assert self._process is not None and self._exited is not None
         code = await self._process.wait()
-        if self._running:
-            log.error("the engine core exited (code %s)", code)
-        self._running = False
-        self._pump.stop()
-        self._drain_after_exit()
-        stopped = errors.EngineStoppedError(f"the engine core exited (code {code})")
-        if self._started is not None and not self._started.done():
-            self._started.set_exception(stopped)
-        for future in self._replies.values():
-            if not future.done():
-                future.set_exception(stopped)
-        self._replies.clear()
-        for req in self._requests.values():
-            req.outputs.put_nowait(stopped)
-        self._requests.clear()
-        self._exited.set_result(None)
+        try:
+            if self._running:
+                log.error("the engine core exited (code %s)", code)
+            self._running = False
+            self._drain_after_exit()
+            self._pump.stop()
+            if self._status is not None:
+                self._status = dataclasses.replace(self._status, instances=(), active_requests=0)
+            stopped = errors.EngineStoppedError(f"the engine core exited (code {code})")
+            if self._started is not None and not self._started.done():
+                self._started.set_exception(stopped)
+            for future in self._replies.values():
+                if not future.done():
+                    future.set_exception(stopped)
+            self._replies.clear()
+            for req in self._requests.values():
+                req.outputs.put_nowait(stopped)
+            self._requests.clear()
+        finally:
+            self._exited.set_result(None)
 
     def _drain_after_exit(self) -> None:
-        """Takes the frames the core sent before it exited."""
-        while True:
-            try:
-                frames = self._socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.ZMQError:
-                return
-            self._on_frames(frames)
+        """Takes the frames the core sent before it exited (ZeroMQ's I/O thread may still
+        be moving the last ones: it waits until none has come for a tenth of a second)."""
+        while self._socket.poll(100, zmq.POLLIN):
+            self._on_frames(self._socket.recv_multipart())
 
     # -- requests --------------------------------------------------------------------------
 
@@ -236,7 +252,16 @@ class EngineClient:
             except errors.BadRequestError as exc:
                 raise errors.BadRequestError(str(exc), index) from exc
         fields = [dataclasses.asdict(params) for _, params in requests]
-        return await self._ask(lambda token: Submit(token, prompts, fields))
+        reply = self._ask(lambda token: Submit(token, prompts, fields))
+        try:
+            return await reply
+        except asyncio.CancelledError:
+            # The caller left while the core admitted them: nobody reads them, so they stop
+            # (an admission still on its way is cancelled when it arrives, `_on_admitted`).
+            if reply.done() and not reply.cancelled() and reply.exception() is None:
+                for req in reply.result():
+                    self.cancel(req.id)
+            raise
 
     def outputs(self, req: ClientRequest) -> AsyncIterator[RequestOutput]:
         """The updates of an admitted request; leaving the iteration early cancels it."""
@@ -262,11 +287,16 @@ class EngineClient:
         assert self._status is not None, "the engine has not started"
         return self._status
 
-    async def _ask(self, message: Callable[[int], object]):
+    def _ask(self, message: Callable[[int], object]) -> asyncio.Future:
+        """Sends `message(token)`; the future gets the core's answer to that token."""
         token = next(self._tokens)
         reply = self._replies[token] = asyncio.get_running_loop().create_future()
-        self._pump.send([encoder.encode(message(token))])
-        return await reply
+        try:
+            self._pump.send([encoder.encode(message(token))])
+        except zmq.ZMQError as exc:  # the core is gone, its exit not yet seen
+            del self._replies[token]
+            reply.set_exception(errors.EngineStoppedError(f"the engine core is gone: {exc}"))
+        return reply
 
     # -- core messages ---------------------------------------------------------------------
 
@@ -281,9 +311,7 @@ class EngineClient:
         elif isinstance(message, StatusUpdate):
             self._status = message.status
         elif isinstance(message, Admitted):
-            reqs = [ClientRequest(rid) for rid in message.request_ids]
-            self._requests.update((r.id, r) for r in reqs)
-            self._reply(message.token, reqs)
+            self._on_admitted(message)
         elif isinstance(message, Refused):
             error = _error(message.error, message.message, message.index)
             self._reply(message.token, error=error)
@@ -299,6 +327,17 @@ class EngineClient:
                 started.set_result(None)
             else:
                 started.set_exception(errors.EngineStoppedError(message.message))
+
+    def _on_admitted(self, admitted: Admitted) -> None:
+        future = self._replies.pop(admitted.token, None)
+        if future is None or future.done():  # the caller gave up waiting: they stop
+            for rid in admitted.request_ids:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._pump.send([encoder.encode(Cancel(rid))])
+            return
+        reqs = [ClientRequest(rid) for rid in admitted.request_ids]
+        self._requests.update((r.id, r) for r in reqs)
+        future.set_result(reqs)
 
     def _reply(self, token: int, value: object = None, error: BaseException | None = None):
         future = self._replies.pop(token, None)

@@ -64,10 +64,12 @@ def run_core(
     launcher: Callable[[], Launcher | None] | None,
     endpoint: str,
     log_level: int,
+    front_end: int,
 ) -> None:
+    """Serves `config`'s engine to the front end at `endpoint` (process `front_end`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(CoreServer(config, launcher() if launcher else None, endpoint).run())
+    asyncio.run(CoreServer(config, launcher, endpoint, front_end).run())
 
 
 class ForwardedDelivery:
@@ -102,7 +104,16 @@ class ForwardedDelivery:
 
 
 class CoreServer:
-    def __init__(self, config: EngineConfig, launcher: Launcher | None, endpoint: str) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        launcher: Callable[[], Launcher | None] | None,
+        endpoint: str,
+        front_end: int,
+    ) -> None:
+        self._config = config
+        self._launcher = launcher
+        self._front_end = front_end
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.PAIR)
         self._socket.setsockopt(zmq.LINGER, 1000)  # the last frames reach the front end
@@ -110,40 +121,67 @@ class CoreServer:
         self._socket.connect(endpoint)
         self._pump = SocketPump(self._socket, self._on_frames)
         self._delivery = ForwardedDelivery(self._send)
-        self.engine = Engine(config, launcher, self._delivery)
         self._stop = asyncio.Event()
-        self._parent = os.getppid()
+        self.engine: Engine | None = None
+        #: `Started` was sent: status updates follow.
+        self._serving = False
 
     async def run(self) -> None:
+        """Starts the engine (a `Stop`, SIGTERM or the front end's end cancels that), serves
+        until told to stop, then stops every worker."""
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self._stop.set)
         self._pump.start()
+        watch = loop.create_task(self._watch_front_end())
         try:
-            await self.engine.start()
-        except Exception as exc:
-            log.exception("the engine core failed to start")
-            self._send(StartFailed(f"{type(exc).__name__}: {exc}"))
-            await self.engine.shutdown()
-            self._close()
-            return
-        self._send(Started(self.engine.status()))
-        watch = loop.create_task(self._report_status())
-        try:
-            await self._stop.wait()
+            if await self._start():
+                self._send(Started(self.engine.status()))  # type: ignore[union-attr]
+                self._serving = True
+                await self._stop.wait()
         finally:
             watch.cancel()
-            await self.engine.shutdown()
+            if self.engine is not None:
+                await self.engine.shutdown()
             self._delivery.flush()
             self._close()
 
-    async def _report_status(self) -> None:
+    async def _start(self) -> bool:
+        """Whether the engine started; if it failed, the front end is told why."""
+        stopping = asyncio.ensure_future(self._stop.wait())
+        try:
+            self.engine = Engine(
+                self._config, self._launcher() if self._launcher else None, self._delivery
+            )
+            starting = asyncio.ensure_future(self.engine.start())
+            await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if not starting.done():
+                starting.cancel()
+                await asyncio.gather(starting, return_exceptions=True)
+                return False
+            starting.result()
+            return True
+        except Exception as exc:
+            log.exception("the engine core failed to start")
+            self._send(StartFailed(f"{type(exc).__name__}: {exc}"))
+            return False
+        finally:
+            stopping.cancel()
+
+    async def _watch_front_end(self) -> None:
+        """Stops the core once its front end's process is gone; sends the status every
+        `STATUS_INTERVAL_S` once the engine serves."""
         while True:
             await asyncio.sleep(STATUS_INTERVAL_S)
-            if os.getppid() != self._parent:
+            if os.getppid() != self._front_end:
                 log.error("the front end is gone; stopping")
                 self._stop.set()
                 return
-            self._send(StatusUpdate(self.engine.status()))
+            if self.engine is None or not self._serving:
+                continue
+            try:
+                self._send(StatusUpdate(self.engine.status()))
+            except Exception:
+                log.exception("sending the status failed")
 
     def _on_frames(self, frames: list[bytes]) -> None:
         try:
@@ -151,17 +189,28 @@ class CoreServer:
         except ValueError as exc:
             log.error("dropping an undecodable frame from the front end: %s", exc)
             return
-        if isinstance(message, Submit):
-            self._submit(message)
-        elif isinstance(message, Cancel):
-            with contextlib.suppress(UnknownRequestError):
-                self.engine.cancel(message.request_id)
-        elif isinstance(message, StatsQuery):
-            self._send(StatsReply(message.token, self.engine.stats_of(message.request_id)))
-        elif isinstance(message, Stop):
+        if isinstance(message, Stop):
             self._stop.set()
+            return
+        engine = self.engine
+        try:
+            if isinstance(message, Submit):
+                self._submit(message)
+            elif isinstance(message, Cancel) and engine is not None:
+                with contextlib.suppress(UnknownRequestError):
+                    engine.cancel(message.request_id)
+            elif isinstance(message, StatsQuery):
+                stats = None if engine is None else engine.stats_of(message.request_id)
+                self._send(StatsReply(message.token, stats))
+        except Exception as exc:  # answered, so that no caller waits for ever
+            log.exception("handling %s failed", type(message).__name__)
+            if isinstance(message, Submit):
+                self._send(Refused(message.token, "EngineError", f"{type(exc).__name__}: {exc}"))
+            elif isinstance(message, StatsQuery):
+                self._send(StatsReply(message.token, None))
 
     def _submit(self, submit: Submit) -> None:
+        assert self.engine is not None, "the front end submits once the core has started"
         params = [GenerationParams(**p) for p in submit.params]
         try:
             reqs = self.engine.add_requests(list(zip(submit.prompts, params, strict=True)))

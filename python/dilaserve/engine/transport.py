@@ -177,9 +177,14 @@ class SocketPump:
         """Handles the messages waiting, up to `most` before letting the loop run others."""
         self._drain_pending = False
         for _ in range(most):
+            if self._loop is None:
+                return  # stopped meanwhile: the socket may be closed
             try:
                 frames = self._socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._on_frames(frames)
+            try:
+                self._on_frames(frames)
+            except Exception:  # one bad message must not leave the others unread
+                log.exception("handling a message failed")
         self._check_waiting()

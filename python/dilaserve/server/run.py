@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from dilaserve.engine import Engine, EngineClient
+from dilaserve.engine import Engine, EngineClient, EngineStoppedError
 
 from .app import Server, ServerSettings
 from .connections import ConnectionLimits
@@ -28,7 +28,8 @@ async def serve(
     stop: asyncio.Event | None = None,
 ) -> None:
     """Starts `engine`, serves it on the bound socket `sock` until `stop` is set or the
-    process gets SIGINT/SIGTERM, then stops the engine."""
+    process gets SIGINT/SIGTERM, then stops the engine. A core process that ends on its
+    own stops the server too, raising `EngineStoppedError`."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -48,10 +49,25 @@ async def serve(
         if started is not None:
             started.set()
         try:
-            await stop.wait()
+            await _until_stopped(engine, stop)
         finally:
             log.info("shutting down")
             await runner.cleanup()
+
+
+async def _until_stopped(engine: Engine | EngineClient, stop: asyncio.Event) -> None:
+    """Returns when `stop` is set; raises `EngineStoppedError` if a core process ends
+    first (a server without its engine must not look alive to a load balancer)."""
+    if not isinstance(engine, EngineClient):
+        await stop.wait()
+        return
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({stopping, engine.exited}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if not stop.is_set():
+        raise EngineStoppedError("the engine core exited; the server stops")
 
 
 @contextlib.asynccontextmanager
