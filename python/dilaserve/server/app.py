@@ -246,7 +246,10 @@ class Server:
             yield stop.feed(choice.last.delta, final=choice.last.finished), choice.last
         if stop.stopped and not choice.last.finished:
             self.metrics.ended("stop_string")  # its statistics, while the request still runs
-            choice.ending = "stop", await self.engine.request_stats(choice.last.request_id)
+            stats = await self.engine.request_stats(choice.last.request_id)
+            if stats is None:  # it ended meanwhile: its last output, queued, has them
+                stats = await _final_stats(choice.outputs)
+            choice.ending = "stop", stats
             await choice.outputs.aclose()  # which cancels its remaining steps
 
     async def _complete(
@@ -408,6 +411,17 @@ class _Choice:
 def _prompt_error(index: int, error: EngineError) -> APIError:
     """A refused prompt of several fails the whole call, naming its index (as OpenAI)."""
     return bad_request(f"prompt {index}: {error}", "prompt")
+
+
+async def _final_stats(outputs: AsyncIterator[RequestOutput]) -> RequestStats | None:
+    """The statistics of an ended request's last output (None if an error ended it)."""
+    stats = None
+    try:
+        async for output in outputs:
+            stats = output.stats
+    except EngineError:
+        return None
+    return stats
 
 
 async def _all(runs) -> None:
