@@ -5,6 +5,9 @@ async with Engine(EngineConfig(instances=(1, 1))) as engine:
     async for out in engine.generate("12345+67890=", GenerationParams(max_tokens=8)):
         print(out.delta, end="")
 ```
+
+`EngineClient` runs the same engine core in a process of its own and fronts it (what
+`dilaserve serve` does): the front end tokenizes and decodes, the core sees token ids.
 """
 
 from .client import EngineClient
