@@ -84,6 +84,8 @@ class ClientRequest:
 
     id: int
     outputs: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
+    #: The output ids of its complete blocks so far (each update sends what it adds).
+    ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.text = TextStream(self.id)
@@ -350,9 +352,11 @@ class EngineClient:
 
     def _on_outputs(self, outputs: Outputs) -> None:
         decode, requests = self._decode, self._requests
-        for rid, ids in outputs.updates:
+        for rid, added in outputs.updates:
             req = requests.get(rid)
             if req is not None:
+                req.ids += added
+                ids = list(req.ids)
                 req.outputs.put_nowait(req.text.update(ids, decode(ids)))
         for end in outputs.finished:
             req = requests.pop(end.request_id, None)

@@ -62,6 +62,8 @@ class Refused(msgspec.Struct, tag=True):
 
 
 class Finish(msgspec.Struct, array_like=True):
+    """`token_ids`: every generated id, cut at the stop token."""
+
     request_id: int
     token_ids: list[int]
     reason: str
@@ -75,7 +77,7 @@ class Failure(msgspec.Struct, array_like=True):
 
 
 class Outputs(msgspec.Struct, tag=True):
-    #: (request id, every output id of its complete blocks).
+    #: (request id, the output ids its newly complete blocks add).
     updates: list[tuple[int, list[int]]]
     finished: list[Finish]
     failed: list[Failure]

@@ -73,22 +73,30 @@ def run_core(
 
 
 class ForwardedDelivery:
-    """Gathers request events and sends them as one `Outputs` frame per loop turn."""
+    """Gathers request events and sends them as one `Outputs` frame per loop turn. An
+    update carries only the ids its blocks add (the front end keeps the rest), so a long
+    output does not cross the socket again with every block."""
 
     def __init__(self, send: Callable[[object], None]) -> None:
         self._send = send
         self._outputs = Outputs([], [], [])
         self._pending = False
+        #: Output ids already sent, per live request.
+        self._sent: dict[int, int] = {}
 
     def update(self, req: TrackedRequest, ids: list[int]) -> None:
-        self._outputs.updates.append((req.id, ids))
+        sent = self._sent.get(req.id, 0)
+        self._sent[req.id] = len(ids)
+        self._outputs.updates.append((req.id, ids[sent:]))
         self._flush_soon()
 
     def finish(self, req: TrackedRequest, ids: list[int], reason: str, stats: RequestStats) -> None:
+        self._sent.pop(req.id, None)
         self._outputs.finished.append(Finish(req.id, ids, reason, stats))
         self._flush_soon()
 
     def fail(self, req: TrackedRequest, error: BaseException) -> None:
+        self._sent.pop(req.id, None)
         self._outputs.failed.append(Failure(req.id, type(error).__name__, str(error)))
         self._flush_soon()
 
