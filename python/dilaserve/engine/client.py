@@ -243,14 +243,14 @@ class EngineClient:
         self, requests: Sequence[tuple[str | Sequence[int], GenerationParams]]
     ) -> list[ClientRequest]:
         """Admits requests as one (all or none, as `Engine.add_requests`); raises the
-        core's `BadRequestError` (with the refused one's `index`) or `OverloadedError`."""
+        core's `BadRequestError` (with the refused one's `index`) or `OverloadedError`.
+        Text is tokenized here; ids and options are checked once, by the core."""
         if not self._running:
             raise errors.EngineStoppedError("the engine is not running")
         prompts = []
-        for index, (prompt, params) in enumerate(requests):
+        for index, (prompt, _) in enumerate(requests):
             try:
-                params.validate()
-                prompts.append(self.prompts.prompt_ids(prompt))
+                prompts.append(self.encode(prompt) if isinstance(prompt, str) else list(prompt))
             except errors.BadRequestError as exc:
                 raise errors.BadRequestError(str(exc), index) from exc
         fields = [dataclasses.asdict(params) for _, params in requests]
