@@ -358,3 +358,55 @@ def test_one_slow_step_does_not_starve_an_instance_of_work() -> None:
             s.arrive(next(next_id), arrival=now, deadline=now + 1e6, prompt_len=16, output_len=64)
     mean = sum(steps) / 4
     assert all(mean / 2 <= n <= 2 * mean for n in steps), steps
+
+
+def test_schedule_commands_are_the_rounds_batches(profile: LatencyProfile) -> None:
+    """The engine's form of a round (`schedule_commands`) says what `schedule` decides,
+    batch for batch: steps ahead (overlap), releases, requests new to an instance and a
+    migration included. Two schedulers get the same events; one answers each way."""
+    config = SchedulerConfig(policy=Policy.llumnix_like(), overlap=True)
+    pair = (Scheduler(profile, config), Scheduler(profile, config))
+    ahead = len(scheduler.STEP_KINDS)
+
+    def both(event: str, *args: object, **kwargs: object) -> None:
+        for s in pair:
+            getattr(s, event)(*args, **kwargs)
+
+    def round_at(now: float) -> list[scheduler.BatchCommand]:
+        d = pair[0].schedule(now)
+        got = pair[1].schedule_commands(now)
+        expected = [
+            (
+                b.instance,
+                [e.request for e in b.entries],
+                [e.tau for e in b.entries],
+                [ahead if e.ahead else scheduler.STEP_KINDS.index(e.kind) for e in b.entries],
+                list(b.release),
+                [e.request for e in b.entries if e.new_here],
+                predicted,
+            )
+            for b, predicted in zip(d.batches, d.batch_predicted_s.tolist(), strict=True)
+        ]
+        assert [tuple(c) for c in got] == expected
+        return got
+
+    both("add_instance", 1, tp=1, gpus=[0])
+    for rid in (1, 2, 3):
+        both("arrive", rid, arrival=0.0, deadline=100.0, prompt_len=16, output_len=64)
+    (first,) = round_at(0.0)
+    assert first.new_here == [1, 2, 3]
+    (step_ahead,) = round_at(0.001)
+    assert set(step_ahead.kinds) == {ahead}
+    both(
+        "step_done", 1, 0.01, [StepResult(1, 1, finished=True), StepResult(2, 1), StepResult(3, 1)]
+    )
+    both("cancel", 3)
+    both("add_instance", 2, tp=1, gpus=[1])
+    both("step_done", 1, 0.01, [StepResult(2, 31)])
+    both("drain_instance", 1)
+    (moved,) = round_at(0.2)
+    assert (moved.instance, moved.new_here) == (2, [2])
+    both("undrain_instance", 1)
+    both("arrive", 4, arrival=0.3, deadline=100.0, prompt_len=16, output_len=64)
+    released = [c.release for c in round_at(0.3) if c.instance == 1]
+    assert released and sorted(released[0]) == [1, 2, 3]

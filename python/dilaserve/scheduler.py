@@ -380,6 +380,18 @@ class InstanceInfo:
     reserved_for: int | None
 
 
+class BatchCommand(NamedTuple):
+    """One batch of a round as an engine sends it (`Scheduler.schedule_commands`)."""
+
+    instance: int
+    requests: list[int]
+    taus: list[float]
+    kinds: list[int]
+    release: list[int]
+    new_here: list[int]
+    predicted_s: float
+
+
 class Decisions:
     """One round's decisions. Columns are read-only numpy views of the core's packed records
     (entries grouped by batch, batches in instance announcement order); `batches`,
@@ -692,6 +704,13 @@ class Scheduler:
     def schedule(self, now: float) -> Decisions:
         """Runs one round; dispatched requests are in flight until their `step_done`."""
         return Decisions(self._core.schedule(now))
+
+    def schedule_commands(self, now: float) -> list[BatchCommand]:
+        """Runs one round as `schedule` does, returning only what an engine sends: per
+        batch, in the order of `Decisions.batches`, its instance, its entries' requests, τs
+        and kind codes (`STEP_KINDS[code]`; `len(STEP_KINDS)` for a step ahead), the ids
+        it releases, the ids new there, and the step's predicted seconds."""
+        return [BatchCommand(*b) for b in self._core.schedule_commands(now)]
 
     def instance_ids(self) -> list[int]:
         return self._core.instance_ids()

@@ -8,9 +8,10 @@ consistent; then one scheduling round (under a millisecond, run inline) decides 
 batch of every idle instance, and each batch goes out as one `StepCommand` that also
 carries the token state of requests new to that instance and the ids that left it.
 
-The step path handles no per-request object: a batch leaves as the columns of the
-scheduler's packed decisions, and a report's columns are applied to the authoritative
-token state and to the scheduler in one call into the core (`Scheduler.apply_report`).
+The step path handles no per-request object: a batch leaves as the columns the scheduler
+hands out for it (`Scheduler.schedule_commands`), and a report's columns are applied to the
+authoritative token state and to the scheduler in one call into the core
+(`Scheduler.apply_report`).
 Per request, the engine acts only on events: a finished request, newly complete blocks.
 """
 
@@ -23,8 +24,6 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-
-import numpy as np
 
 from dilaserve.models import text_decoder
 from dilaserve.predictor.serving import predictor_for
@@ -41,7 +40,7 @@ from dilaserve.protocol import (
 from dilaserve.scheduler import (
     STEP_KINDS,
     AdmissionError,
-    Decisions,
+    BatchCommand,
     Scheduler,
     SchedulerError,
     StepReportError,
@@ -76,8 +75,7 @@ log = logging.getLogger(__name__)
 
 #: `StepKind` of each of the core's step kind codes, indexed by code; then `AUTO`, the
 #: kind of a step ahead (the worker resolves it).
-_KIND_OF_CODE = np.array([StepKind(k) for k in STEP_KINDS] + [StepKind.AUTO], dtype=object)
-_AUTO_CODE = len(STEP_KINDS)
+_KIND_OF_CODE = (*(StepKind(k) for k in STEP_KINDS), StepKind.AUTO)
 
 #: How long a worker may take to load its model and report ready.
 READY_TIMEOUT_S = 300.0
@@ -680,11 +678,9 @@ class Engine:
 
     def _round(self) -> None:
         self._rounds += 1
-        now = self.now()
-        decisions = self.scheduler.schedule(now)
         started = 0
-        for batch, instance_id in enumerate(decisions.batch_instances.tolist()):
-            started += self._dispatch(self.instances[instance_id], decisions, batch)
+        for batch in self.scheduler.schedule_commands(self.now()):
+            started += self._dispatch(self.instances[batch.instance], batch)
         if started and self.config.overlap:
             self._wake.set()  # the next round sends those instances their step ahead
         for instance_id in self.scheduler.drained_instances():
@@ -694,28 +690,21 @@ class Engine:
                 inst.shutdown_sent = True
                 self._send(inst, Shutdown())
 
-    def _dispatch(self, inst: InstanceRecord, decisions: Decisions, batch: int) -> bool:
-        """Sends the scheduler's `batch` as it decided it, from its packed columns: its
-        releases, the token state of requests new there, and each entry's τ and step
-        kind (`AUTO` for a step ahead). With overlap the instance may be running a step: the
-        command queues behind it on the worker. Returns whether the instance was idle."""
-        d = decisions
-        start = int(d.batch_starts[batch])
-        entries = slice(start, start + int(d.batch_lens[batch]))
-        releases = int(d.batch_release_starts[batch])
-        requests = d.entry_requests[entries]
-        kinds = np.where(d.entry_ahead[entries], _AUTO_CODE, d.entry_kinds[entries])
+    def _dispatch(self, inst: InstanceRecord, batch: BatchCommand) -> bool:
+        """Sends the scheduler's batch as it decided it: its releases, the token state of
+        requests new there, and each entry's τ and step kind (`AUTO` for a step ahead).
+        With overlap the instance may be running a step: the command queues behind it on
+        the worker. Returns whether the instance was idle."""
         command = StepCommand(
-            step=next(self._step_numbers),
-            requests=requests.tolist(),
-            taus=d.entry_taus[entries].tolist(),
-            kinds=_KIND_OF_CODE[kinds].tolist(),
-            release=d.releases[releases : releases + int(d.batch_release_lens[batch])].tolist(),
+            next(self._step_numbers),
+            batch.requests,
+            batch.taus,
+            [_KIND_OF_CODE[k] for k in batch.kinds],
+            [self._requests[r].resumable(self.scheduler.token_state(r)) for r in batch.new_here],
+            batch.release,
         )
-        for rid in requests[d.entry_new_here[entries] != 0].tolist():
-            command.admit.append(self._requests[rid].resumable(self.scheduler.token_state(rid)))
         sent = self.now()
-        step = InflightStep(command.step, sent, float(d.batch_predicted_s[batch]))
+        step = InflightStep(command.step, sent, batch.predicted_s)
         if inst.inflight is None:
             inst.inflight = step
             if inst.reported_at is not None and inst.reported_at[1] == self._rounds:

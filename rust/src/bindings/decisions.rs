@@ -125,6 +125,45 @@ impl PyDecisions {
     }
 }
 
+/// One batch as the engine sends it: `(instance, requests, taus, kind codes, released ids,
+/// ids new there, predicted seconds)`. A step ahead's kind code is `len(STEP_KINDS)`
+/// (the worker resolves it).
+pub type BatchCommand = (u64, Vec<u64>, Vec<f64>, Vec<u32>, Vec<u64>, Vec<u64>, f64);
+
+/// Every batch of a round as [`BatchCommand`]s: plain lists, built without a record per
+/// entry on the Python side.
+pub fn batch_commands(d: &Decisions) -> Vec<BatchCommand> {
+    let ahead_code = StepKind::ALL.len() as u32;
+    d.batches
+        .iter()
+        .map(|b| {
+            let entries = d.entries_of(b);
+            (
+                b.instance,
+                entries.iter().map(|e| e.request).collect(),
+                entries.iter().map(|e| e.tau).collect(),
+                entries
+                    .iter()
+                    .map(|e| {
+                        if e.ahead {
+                            ahead_code
+                        } else {
+                            u32::from(kind_code(e.kind))
+                        }
+                    })
+                    .collect(),
+                d.releases_of(b).to_vec(),
+                entries
+                    .iter()
+                    .filter(|e| e.new_here)
+                    .map(|e| e.request)
+                    .collect(),
+                b.predicted_s,
+            )
+        })
+        .collect()
+}
+
 #[pymethods]
 impl PyDecisions {
     /// `(request, from_instance, to_instance, reason)` per migration.

@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::args::Unsigned;
-use super::decisions::PyDecisions;
+use super::decisions::{batch_commands, BatchCommand, PyDecisions};
 use super::predictor::predictor_from_object;
 use super::profile::PyLatencyProfile;
 use crate::predictor::GbmPredictor;
@@ -474,6 +474,14 @@ impl PyScheduler {
         let inner = &mut self.inner;
         py.detach(|| inner.schedule(now).map(|_| ()))?;
         PyDecisions::new(py, self.inner.last_decisions())
+    }
+
+    /// Runs one round as `schedule` does; returns only what the engine sends, one
+    /// `BatchCommand` per batch.
+    fn schedule_commands(&mut self, py: Python<'_>, now: f64) -> PyResult<Vec<BatchCommand>> {
+        let inner = &mut self.inner;
+        py.detach(|| inner.schedule(now).map(|_| ()))?;
+        Ok(batch_commands(self.inner.last_decisions()))
     }
 
     /// Live instance ids in announcement order.
