@@ -1,9 +1,11 @@
-"""The host-side confidence statistics against torch's own quantiles."""
+"""A step's read-back as report columns (the core's `read_back`): committed positions and
+tokens, and the confidence statistics against torch's own quantiles."""
 
 import numpy as np
+import pytest
 import torch
 
-from dilaserve.worker.step_stats import confidence_stats
+from dilaserve._core import read_back
 
 
 def torch_stats(confidence: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
@@ -14,23 +16,38 @@ def torch_stats(confidence: torch.Tensor, candidate: torch.Tensor) -> torch.Tens
     return torch.stack([low, q25, median, torch.nanmean(values, dim=1), q75], dim=1)
 
 
-def test_statistics_match_torch_quantiles_for_any_candidate_count() -> None:
-    g = torch.Generator().manual_seed(0)
-    for b, m in ((1, 32), (8, 32), (5, 7), (3, 1)):
-        for _ in range(20):
-            confidence = torch.rand(b, m, generator=g, dtype=torch.float64)
-            candidate = torch.rand(b, m, generator=g) < torch.rand(b, 1, generator=g)
-            # What the commit reports where a position is no candidate.
-            confidence = torch.where(candidate, confidence, -torch.inf)
-            got = confidence_stats(confidence.numpy(), candidate.numpy())
-            want = torch_stats(confidence, candidate).numpy()
-            np.testing.assert_allclose(got, want, rtol=1e-12, atol=0)
+def host_copy(committed, ids, confidence, timesteps) -> np.ndarray:
+    """The runner's read-back layout."""
+    return np.concatenate(
+        [committed.astype(float), ids.astype(float), confidence, timesteps[:, None] * 1.0],
+        axis=1,
+    )
 
 
-def test_a_row_without_candidates_has_nan_statistics_and_leaves_others_alone() -> None:
-    confidence = np.array([[0.1, 0.9, 0.5, 0.3], [-np.inf] * 4, [0.2, 0.4, -np.inf, -np.inf]])
-    candidate = np.isfinite(confidence)
-    stats = confidence_stats(confidence, candidate)
-    assert np.isnan(stats[1]).all()
-    np.testing.assert_allclose(stats[0], [0.1, 0.25, 0.4, 0.45, 0.6])
-    np.testing.assert_allclose(stats[2], [0.2, 0.25, 0.3, 0.3, 0.35])
+def test_read_back_matches_torch_quantiles_and_the_committed_columns() -> None:
+    rng = np.random.default_rng(0)
+    for b, m in ((1, 32), (8, 32), (5, 7), (3, 1), (64, 32)):
+        for _ in range(10):
+            counts = rng.integers(1, m + 1, size=b)
+            candidate = np.arange(m)[None, :] < counts[:, None]
+            confidence = np.where(candidate, rng.random((b, m)), -np.inf)
+            committed = candidate & (rng.random((b, m)) < 0.5)
+            ids = rng.integers(0, 1000, size=(b, m))
+            columns = np.sort(rng.choice(64, size=(b, m)), axis=1).astype(np.int64)
+            timesteps = rng.integers(1, 4, size=b)
+            got = read_back(
+                host_copy(committed, ids, confidence, timesteps), counts.tolist(), columns
+            )
+            n, positions, tokens, stats, passed = got
+            assert n == committed.sum(axis=1).tolist()
+            assert positions == columns[committed].tolist() and tokens == ids[committed].tolist()
+            assert passed == timesteps.tolist()
+            want = torch_stats(torch.from_numpy(confidence), torch.from_numpy(candidate))
+            np.testing.assert_allclose(np.reshape(stats, (b, 5)), want.numpy(), rtol=1e-12)
+
+
+def test_a_mis_shaped_read_back_is_refused() -> None:
+    with pytest.raises(ValueError, match="values"):
+        read_back(np.zeros((2, 5)), [1, 1], np.zeros((2, 2), dtype=np.int64))
+    with pytest.raises(ValueError, match="candidate counts"):
+        read_back(np.zeros((2, 7)), [1], np.zeros((2, 2), dtype=np.int64))

@@ -260,6 +260,12 @@ def simulate(
     step_overhead_s: float = 0.0,
     replan_json: str | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, float]]: ...
+def read_back(
+    host: np.ndarray, candidates: list[int], columns: np.ndarray
+) -> tuple[list[int], list[int], list[int], list[float], list[int]]:
+    """A step's read-back (`[rows, 3 * width + 1]` float64) as report columns: committed
+    counts, block positions and tokens, confidence statistics, grid steps."""
+
 def scheduler_settings_json() -> str:
     """The scheduler settings' schema and the named policies (JSON)."""
 

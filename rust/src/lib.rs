@@ -9,6 +9,7 @@ pub mod profile;
 pub mod scheduler;
 pub mod settings;
 pub mod sim;
+pub mod step_readback;
 pub mod step_report;
 pub mod tokens;
 

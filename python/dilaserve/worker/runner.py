@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dilaserve._core import read_back
 from dilaserve.kernels import (
     CommitResult,
     argmax_confidence,
@@ -43,6 +44,7 @@ from dilaserve.kernels import (
 )
 from dilaserve.models.packed import PackedBatch
 from dilaserve.protocol import (
+    CONFIDENCE_STATS,
     CacheMode,
     RequestState,
     StepEntry,
@@ -61,7 +63,6 @@ from dilaserve.worker.errors import (
 from dilaserve.worker.follower import full_vocab_logits, make_pool, vocab_parallel_scores
 from dilaserve.worker.forward import forward_logits
 from dilaserve.worker.kv_cache import budget_tokens, bytes_per_token
-from dilaserve.worker.step_stats import confidence_stats
 from dilaserve.worker.tp_group import TensorParallelGroup
 
 
@@ -253,7 +254,8 @@ class StepRunner:
         kinds = [e.kind for e in batch]
         starts = [h.block_start for h in held]
         columns = [self._masked_in_block(h, s) for h, s in zip(held, starts, strict=True)]
-        packed = self._pack(held, kinds, starts, columns)
+        padded = candidate_columns(columns)
+        packed = self._pack(held, kinds, starts, padded)
         tau = torch.tensor([e.tau for e in batch], dtype=torch.float32).to(self.device)
         # Rows sampled or scored by options need every logit: a TP step gathers them.
         sampling = RowSampling.of([h.state for h in held], self.device)
@@ -263,7 +265,8 @@ class StepRunner:
             logits = forward_logits(self.model, self.pool, packed)
             if self.group is not None and sampling is not None:
                 logits = full_vocab_logits(self.model, self.group, logits)  # type: ignore[arg-type]
-            report = self._commit(batch, held, starts, columns, logits, tau, sampling)
+            counts = [len(c) for c in columns]
+            report = self._commit(batch, held, starts, counts, padded, logits, tau, sampling)
         report.forward_tokens = fed = packed.ids.numel()
         self.forward_tokens += fed
         report.seconds = time.perf_counter() - started
@@ -334,10 +337,10 @@ class StepRunner:
         rows: list[_Held],
         kinds: list[StepKind],
         starts: list[int],
-        columns: list[np.ndarray],
+        padded: np.ndarray,
     ) -> PackedBatch:
         """The step's one packed model call: every row's window, concatenated; logits for
-        the block positions `columns` of each row (whose blocks begin at `starts`)."""
+        the block positions `padded` of each row (whose blocks begin at `starts`)."""
         windows = [self._window(h, k, s) for h, k, s in zip(rows, kinds, starts, strict=True)]
         begins = np.array([b for b, _ in windows])
         lengths = np.array([e - b for b, e in windows])
@@ -347,12 +350,7 @@ class StepRunner:
         positions = np.arange(offsets[-1]) + np.repeat(begins - offsets[:-1], lengths)
         # Logits only for the block's still-masked positions (the candidates), in position
         # order; masked position j of row i is fed token offset_i + (start_i - shift -
-        # begin_i) + j. Rows with fewer repeat their last one; those columns are no candidates.
-        counts = np.array([len(c) for c in columns])
-        padded = np.empty((len(rows), counts.max()), dtype=np.int64)
-        for row, c in zip(padded, columns, strict=True):
-            row[: len(c)] = c
-            row[len(c) :] = c[-1]
+        # begin_i) + j.
         first = offsets[:-1] + np.array(starts) - self.config.logit_shift - begins
         index = torch.from_numpy(first[:, None] + padded)
         positions_t = torch.from_numpy(positions)
@@ -376,16 +374,16 @@ class StepRunner:
         batch: Sequence[StepEntry],
         rows: list[_Held],
         starts: list[int],
-        columns: list[np.ndarray],
+        counts: list[int],
+        padded: np.ndarray,
         logits: torch.Tensor,
         tau: torch.Tensor,
         sampling: RowSampling | None,
     ) -> StepReport:
         """Commits by the threshold rule; logits column j of row i is its block position
-        `columns[i][j]` (every one a candidate, lowest position first)."""
+        `padded[i, j]`, a candidate for j below `counts[i]` (lowest position first)."""
         width = logits.shape[1]
-        counts = np.array([len(c) for c in columns])
-        on_host = np.arange(width)[None, :] < counts[:, None]
+        on_host = np.arange(width)[None, :] < np.array(counts)[:, None]
         candidate = torch.from_numpy(on_host).to(self.device, non_blocking=True)
         ids = torch.full(
             (len(rows), width), self.config.mask_token_id, dtype=torch.long, device=self.device
@@ -406,17 +404,22 @@ class StepRunner:
             .cpu()
             .numpy()
         )
-        committed = host[:, :width] != 0
-        new_ids = host[:, width : 2 * width].astype(np.int64)
-        stats = confidence_stats(host[:, 2 * width : 3 * width], on_host).tolist()
-        passed = host[:, -1].astype(np.int64).tolist()
+        committed, positions, tokens, stats, passed = read_back(host, counts, padded)
         report = StepReport(step=0)
+        offset = 0
         for i, (e, h) in enumerate(zip(batch, rows, strict=True)):
-            n = len(columns[i])
-            hit = committed[i, :n]
+            end = offset + committed[i]
             self._advance(
-                report, e, h, starts[i], columns[i][hit], new_ids[i, :n][hit], stats[i], passed[i]
+                report,
+                e,
+                h,
+                starts[i],
+                positions[offset:end],
+                tokens[offset:end],
+                stats[CONFIDENCE_STATS * i : CONFIDENCE_STATS * (i + 1)],
+                passed[i],
             )
+            offset = end
         return report
 
     def _scores_and_commit(
@@ -451,8 +454,8 @@ class StepRunner:
         entry: StepEntry,
         h: _Held,
         start: int,
-        picked: np.ndarray,
-        tokens: np.ndarray,
+        picked: list[int],
+        tokens: list[int],
         stats: list[float],
         timesteps: int,
     ) -> None:
@@ -460,12 +463,11 @@ class StepRunner:
         sequence index `start`) take `tokens`, and the steps of Dream's grid it passed — to
         its host-side state (no device work), and adds its row to `report`."""
         state = h.state
-        h.tokens[start + picked] = tokens
+        h.tokens[[start + p for p in picked]] = tokens
         out_start = start - state.prompt_length
         block = out_start // state.block_length
-        positions = (picked + out_start).tolist()
-        committed = tokens.tolist()
-        state.commit(block, positions, committed, timesteps)
+        positions = [p + out_start for p in picked]
+        state.commit(block, positions, tokens, timesteps)
         # Every step writes the fed tokens' K/V; only a recompute step refreshes the rest
         # of the sequence, which a cache step of the same block reads.
         h.cache_valid = (
@@ -477,8 +479,18 @@ class StepRunner:
         if done:
             self._free_extent(state.request_id, h)
         report.add_row(
-            state.request_id, entry.kind, block, positions, committed, stats, done, timesteps
+            state.request_id, entry.kind, block, positions, tokens, stats, done, timesteps
         )
+
+
+def candidate_columns(columns: list[np.ndarray]) -> np.ndarray:
+    """`[rows, widest]` block positions of each row's candidates (`columns`, never empty),
+    a row with fewer repeating its last one; those columns are no candidates."""
+    padded = np.empty((len(columns), max(len(c) for c in columns)), dtype=np.int64)
+    for row, c in zip(padded, columns, strict=True):
+        row[: len(c)] = c
+        row[len(c) :] = c[-1]
+    return padded
 
 
 def finished_after(state: RequestState, block: int) -> bool:

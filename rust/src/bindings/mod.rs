@@ -9,6 +9,7 @@ mod predictor;
 mod profile;
 mod scheduler;
 mod sim;
+mod worker;
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     profile::register(m)?;
@@ -16,5 +17,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     decisions::register(m)?;
     planner::register(m)?;
     sim::register(m)?;
+    worker::register(m)?;
     predictor::register(m)
 }
