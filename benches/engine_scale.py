@@ -10,7 +10,8 @@ Lines (JSON):
   the clients on its own loop), measured beside it;
 - `engine_core_us_per_step`: CPU time of the engine core's process per step at 64
   instances (`in_process`: of the one process holding `Engine` and the clients, an upper
-  bound of the engine's own time);
+  bound of the engine's own time); `zmq_io_threads_us`: the part of it spent in the core's
+  ZeroMQ I/O threads (libzmq moving the frames of a step and of the front end's messages);
 - `http_idle_share_16inst`: the 16-instance load sent through the HTTP server by a separate
   load-generator process, the engine core in its own process (as `dilaserve serve` runs
   it); `in_process`: the same with `Engine` in the server's process;
@@ -124,10 +125,25 @@ def pin_core_process(client: EngineClient) -> None:
         pin(pid, others)
 
 
+def _stat_cpu_seconds(stat: str) -> float:
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds(pid: int) -> float:
     """User and system CPU time of process `pid` so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return _stat_cpu_seconds(Path(f"/proc/{pid}/stat").read_text())
+
+
+def io_thread_cpu_seconds(pid: int) -> float:
+    """CPU time so far of process `pid`'s ZeroMQ I/O threads (libzmq's own work of moving
+    frames, which no change to the engine's code removes)."""
+    total = 0.0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        stat = (task / "stat").read_text()
+        if "(ZMQbg/IO" in stat:
+            total += _stat_cpu_seconds(stat)
+    return total
 
 
 def pin_hosts(engine: Engine) -> None:
@@ -160,9 +176,9 @@ async def closed_loop(engine: Engine | EngineClient, clients: int, seconds: floa
 async def direct(
     instances: int, profile: str, seconds: float, overlap: bool = True, core_process: bool = True
 ) -> tuple[float, float, int]:
-    """Idle share, the engine core's CPU µs per step and its steps, with closed-loop clients
-    in this process: the front end of a core process, or `Engine`'s own (the CPU time is
-    then this process's, the clients' included)."""
+    """Idle share, the engine core's CPU µs per step, of them its ZeroMQ I/O threads', and
+    its steps, with closed-loop clients in this process: the front end of a core process,
+    or `Engine`'s own (the CPU time is then this process's, the clients' included)."""
     async with emulated_engine(instances, profile, overlap, core_process) as engine:
         if isinstance(engine, EngineClient):
             pin_core_process(engine)
@@ -172,13 +188,14 @@ async def direct(
             pid = os.getpid()
         clients = await closed_loop(engine, REQUESTS_PER_INSTANCE * instances, seconds + 1.5)
         await asyncio.sleep(1.0)  # warm up
-        before, cpu = engine.status(), cpu_seconds(pid)
+        before, cpu, io = engine.status(), cpu_seconds(pid), io_thread_cpu_seconds(pid)
         await asyncio.sleep(seconds)
         after, cpu = engine.status(), cpu_seconds(pid) - cpu
+        io = io_thread_cpu_seconds(pid) - io
         await clients
     pin(os.getpid(), split_cores()[0])
-    steps = int(after.step_times["steps"] - before.step_times["steps"])
-    return status_idle_share(before, after, instances), 1e6 * cpu / max(steps, 1), steps
+    steps = max(int(after.step_times["steps"] - before.step_times["steps"]), 1)
+    return status_idle_share(before, after, instances), 1e6 * cpu / steps, 1e6 * io / steps, steps
 
 
 LOADGEN = """
@@ -307,9 +324,9 @@ def main() -> None:
         scale = {"1inst": (1, fast), "16inst": (4 if args.quick else 16, fast)}
         scale["64inst_16ms"] = (8 if args.quick else 64, slow)
         for name, (instances, profile) in scale.items():
-            share, us, steps = asyncio.run(direct(instances, profile, seconds))
-            sync, sync_us, _ = asyncio.run(direct(instances, profile, seconds, overlap=False))
-            alone, alone_us, _ = asyncio.run(
+            share, us, io_us, steps = asyncio.run(direct(instances, profile, seconds))
+            sync, sync_us, _, _ = asyncio.run(direct(instances, profile, seconds, overlap=False))
+            alone, alone_us, _, _ = asyncio.run(
                 direct(instances, profile, seconds, core_process=False)
             )
             emit(
@@ -327,6 +344,7 @@ def main() -> None:
                     us,
                     "us",
                     instances=instances,
+                    zmq_io_threads_us=round(io_us, 1),
                     synchronous=round(sync_us, 1),
                     in_process=round(alone_us, 1),
                 )
