@@ -11,6 +11,7 @@ from dilaserve.worker.errors import (
     CacheFullError,
     MigrationError,
     RequestNotHeldError,
+    StepFailedError,
     StepRejectedError,
 )
 from dilaserve.worker.generate import generate
@@ -254,6 +255,7 @@ def test_bad_input_is_rejected_without_harming_others(model):
         RequestState(4, [1] * 40, out, BLOCK, mask),
         RequestState(4, [1], out, BLOCK, mask + 1),
         RequestState(3, [1], out, BLOCK, mask),
+        RequestState(4, [1], out, BLOCK, mask, steps_done=-1),
     ]
     for state in bad:
         with pytest.raises(TokenStateError):
@@ -272,6 +274,33 @@ def test_bad_input_is_rejected_without_harming_others(model):
     assert result.outputs[0].done
     with pytest.raises(ValueError, match="finished"):
         _step(runner, [(3, 0.0)])
+
+
+def test_a_read_back_that_breaks_the_rules_fails_the_step_and_changes_nothing(model, monkeypatch):
+    """A kernel fault that commits nothing in a row (the rule is at least one) fails the
+    step with a typed error; no row of it is applied, and the runner keeps serving."""
+    mask = model.config.mask_token_id
+    runner = StepRunner(model, cache="dual", max_requests=2, max_seq_len=40)
+    for rid in (1, 2):
+        runner.add(
+            RequestState.new(rid, [1, 2, rid], BLOCK, block_length=BLOCK, mask_token_id=mask)
+        )
+    before = [runner.state(1), runner.state(2)]
+    honest = runner._scores_and_commit
+
+    def faulty(*args):
+        result, timesteps = honest(*args)
+        committed = result.committed.clone()
+        committed[0] = False
+        return result._replace(committed=committed), timesteps
+
+    monkeypatch.setattr(runner, "_scores_and_commit", faulty)
+    with pytest.raises(StepFailedError, match="request 1"):
+        _step(runner, [(1, 0.0), (2, 0.0)])
+    assert [runner.state(1), runner.state(2)] == before
+    monkeypatch.undo()
+    result = _step(runner, [(1, 0.0), (2, 0.0)])
+    assert [o.done for o in result.outputs] == [True, True]
 
 
 def test_kv_tokens_are_recycled_and_bound_admission(model):

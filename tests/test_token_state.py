@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sched_profiles import make_profile
 
+from dilaserve._core import STEP_KINDS, HeldTokens
 from dilaserve.protocol import CONFIDENCE_STATS, RequestState, StepKind, StepOutput, StepReport
 from dilaserve.scheduler import Scheduler, StepReportError
 
@@ -133,19 +135,35 @@ def test_a_bad_report_changes_neither_the_tokens_nor_the_scheduler():
 
 @settings(max_examples=80, deadline=None)
 @given(st.integers(0, 2**32 - 1), st.integers(1, 4))
-def test_the_runners_block_local_finish_check_is_done(seed, blocks):
-    """The runner decides `done` from the committed block alone (`finished_after`); it
-    agrees with `RequestState.done`, which scans the whole output, after every step."""
-    from dilaserve.worker.runner import finished_after
-
+def test_the_workers_token_state_follows_request_state(seed, blocks):
+    """The worker's token state (`HeldTokens`, which decides `done` from the current block
+    alone) agrees with `RequestState.commit` and `RequestState.done`, which scans the whole
+    output, after every step: output, counters, cache validity and finish."""
     rng = random.Random(seed)
     state = RequestState.new(1, [5, 6], blocks * BLOCK, block_length=BLOCK, mask_token_id=MASK)
     state.stop_token_ids = [EOS]
+    held = HeldTokens()
+    held.add(1, state.prompt_ids, state.output_ids, BLOCK, MASK, [EOS], False, (0, 0, 0))
     while not state.done:
         block = state.current_block
         masked = [
             p for p in range(block * BLOCK, (block + 1) * BLOCK) if state.output_ids[p] == MASK
         ]
-        positions = sorted(rng.sample(masked, rng.randint(1, len(masked))))
-        state.commit(block, positions, [rng.choice((1, 2, EOS)) for _ in positions])
-        assert finished_after(state, block) == state.done
+        chosen = sorted(rng.sample(range(len(masked)), rng.randint(1, len(masked))))
+        positions = [masked[j] for j in chosen]
+        tokens = [rng.choice((1, 2, EOS)) for _ in positions]
+        timesteps = rng.randint(1, 3)
+        host = [0.0] * (3 * len(masked) + 1)
+        for j, token in zip(chosen, tokens, strict=True):
+            host[j], host[len(masked) + j] = 1.0, float(token)
+        host[-1] = float(timesteps)
+        kind = rng.choice(("recompute", "cache"))
+        was_valid = held.cache_valid(1)
+        report = held.commit([1], [STEP_KINDS.index(kind)], np.array([host]))
+        state.commit(block, positions, tokens, timesteps)
+        assert report[2] == positions and report[5] == [state.done]
+        assert held.output(1) == state.output_ids and held.done(1) == state.done
+        counters = (state.steps_done, state.block_steps, state.timestep, state.masked_in_block)
+        assert held.counters(1) == counters
+        valid = state.block_steps != 0 and (was_valid or kind == "recompute")
+        assert held.cache_valid(1) == valid

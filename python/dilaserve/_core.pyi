@@ -260,11 +260,48 @@ def simulate(
     step_overhead_s: float = 0.0,
     replan_json: str | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, float]]: ...
-def read_back(
-    host: np.ndarray, candidates: list[int], columns: np.ndarray
-) -> tuple[list[int], list[int], list[int], list[float], list[int]]:
-    """A step's read-back (`[rows, 3 * width + 1]` float64) as report columns: committed
-    counts, block positions and tokens, confidence statistics, grid steps."""
+
+class HeldTokens:
+    """A worker's token state of its resident requests (`held_tokens::HeldTokens`). The
+    accessors raise `KeyError` for an id not held; `add`, `pack` and `commit` raise
+    `ValueError` for what does not fit (ids not held among them)."""
+
+    def __init__(self) -> None: ...
+    def add(
+        self,
+        id: int,
+        prompt: list[int],
+        output: list[int],
+        block_length: int,
+        mask: int,
+        stops: list[int],
+        fixed_schedule: bool,
+        counters: tuple[int, int, int],
+    ) -> None: ...
+    def remove(self, id: int) -> tuple[list[int], tuple[int, int, int]]: ...
+    def __contains__(self, id: int) -> bool: ...
+    def output(self, id: int) -> list[int]: ...
+    def counters(self, id: int) -> tuple[int, int, int, int]: ...
+    def done(self, id: int) -> bool: ...
+    def cache_valid(self, id: int) -> bool: ...
+    def pack(
+        self,
+        ids: list[int],
+        kinds: list[int],
+        suffix: bool,
+        shift: int,
+        bases: list[int] | None = None,
+    ) -> tuple[bytearray, list[int], list[int], int]:
+        """A step's packed model call: an int64 buffer (fed ids, positions, pool slots with
+        `bases`, logit index, candidate flags), fed tokens and sequence length per row,
+        the logit width."""
+
+    def commit(
+        self, ids: list[int], kinds: list[int], host: np.ndarray
+    ) -> tuple[list[int], list[int], list[int], list[int], list[float], list[bool], list[int]]:
+        """Applies a step's read-back (`[rows, 3 * width + 1]` float64) to every row, or to
+        none (`ValueError`): the report's blocks, counts, positions, tokens, confidence
+        statistics, done flags and grid steps."""
 
 def scheduler_settings_json() -> str:
     """The scheduler settings' schema and the named policies (JSON)."""

@@ -301,8 +301,9 @@ class RequestState:
         self, block: int, positions: list[int], tokens: list[int], timesteps: int = 1
     ) -> None:
         """Advances the state by one step that unmasked `positions` of output block
-        `block` and passed `timesteps` steps of Dream's grid: the one bookkeeping of the
-        worker's copy and the engine's."""
+        `block` and passed `timesteps` steps of Dream's grid. The statement of the rules that
+        the core's token state follows on a worker (`HeldTokens`) and in the engine, and
+        the emulated worker's copy."""
         for position, token in zip(positions, tokens, strict=True):
             self.output_ids[position] = token
         self.steps_done += 1

@@ -2,6 +2,7 @@
 //! accounting and ILP reconfiguration. Everything here is a plain Rust library; the pyo3
 //! bindings are compiled only with the `python` feature, which maturin turns on.
 
+pub mod held_tokens;
 mod id_map;
 pub mod planner;
 pub mod predictor;

@@ -5,8 +5,9 @@
 //! A step report is applied here in one pass over packed columns. Per request the table
 //! keeps the masked count of each output block, the number of leading complete blocks and
 //! the first committed stop token, so finish and block-completion detection look at one
-//! block, never at the whole output. The rules are those of `RequestState.commit` in
-//! `dilaserve.protocol` (the worker's copy): a position unmasks once; a request is done
+//! block, never at the whole output. A worker keeps the same state of the requests it
+//! holds (`held_tokens`), and `RequestState.commit` in `dilaserve.protocol` states the
+//! rules in Python (the emulated worker's copy): a position unmasks once; a request is done
 //! when every position is unmasked or a stop token is committed with everything before it
 //! unmasked; a step that leaves its block open counts towards the block's steps and Dream
 //! grid, one that closes it resets both.
@@ -87,8 +88,65 @@ impl Tokens {
         })
     }
 
+    /// A request's state part-way through decoding: its `output` so far and its
+    /// `(steps_done, block_steps, timestep)` (a migrated request's, or one resumed after a
+    /// restart); why they do not fit `spec`, if they do not.
+    pub fn resume(spec: &TokenSpec, output: &[u32], counters: [u32; 3]) -> Result<Self, String> {
+        let mut tokens = Self::new(spec)?;
+        if output.len() != tokens.output.len() {
+            return Err(format!(
+                "output of {} positions, expected {}",
+                output.len(),
+                tokens.output.len()
+            ));
+        }
+        let b = spec.block_length as usize;
+        for (masked, block) in tokens.masked_per_block.iter_mut().zip(output.chunks(b)) {
+            *masked = block.iter().filter(|&&t| t == spec.mask).count() as u32;
+        }
+        tokens.output = output.to_vec();
+        tokens.complete = tokens
+            .masked_per_block
+            .iter()
+            .take_while(|&&m| m == 0)
+            .count() as u32;
+        tokens.stop_at = output
+            .iter()
+            .position(|t| spec.stops.contains(t))
+            .map(|p| p as u32);
+        [tokens.steps_done, tokens.block_steps, tokens.timestep] = counters;
+        Ok(tokens)
+    }
+
     pub fn output(&self) -> &[u32] {
         &self.output
+    }
+
+    pub fn block_length(&self) -> u32 {
+        self.block_length
+    }
+
+    pub fn mask(&self) -> u32 {
+        self.mask
+    }
+
+    /// Index of the first output block with a masked position (the block count once every
+    /// position is unmasked).
+    pub fn current_block(&self) -> u32 {
+        self.complete
+    }
+
+    /// Masked positions of the current block.
+    pub fn masked_in_block(&self) -> u32 {
+        self.masked_per_block
+            .get(self.complete as usize)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// `(steps_done, block_steps, timestep)`.
+    pub fn counters(&self) -> [u32; 3] {
+        [self.steps_done, self.block_steps, self.timestep]
     }
 
     pub fn fixed_schedule(&self) -> bool {
@@ -170,7 +228,7 @@ impl Tokens {
     }
 
     /// Applies a checked commit (see [`Tokens::check`]).
-    fn apply(&mut self, commit: &Commit<'_>) {
+    pub(crate) fn apply(&mut self, commit: &Commit<'_>) {
         for (&p, &t) in commit.positions.iter().zip(commit.tokens) {
             self.output[p as usize] = t;
             if self.stops.contains(&t) && self.stop_at.is_none_or(|s| p < s) {

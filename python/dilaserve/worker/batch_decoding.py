@@ -208,6 +208,14 @@ class RowSchedule:
     """What the step commits beside the threshold rule, row by row: the fixed schedule's
     counts, the random rule's grid and the rows whose fallback `alg_temp` draws."""
 
+    @classmethod
+    def of(cls, states: Sequence[RequestState], device: torch.device) -> RowSchedule | None:
+        """The step's schedule; None when every row follows the threshold rule alone (no
+        fixed schedule, no `alg_temp` fallback)."""
+        if all(s.steps_per_block is None and s.alg_temp == 0 for s in states):
+            return None
+        return cls(states, device)
+
     def __init__(self, states: Sequence[RequestState], device: torch.device) -> None:
         self.device = device
         fixed = [s.steps_per_block is not None for s in states]

@@ -16,6 +16,11 @@ class StepRejectedError(WorkerError, ValueError):
     """A step entry cannot run here (threshold, finished request, wrong step kind)."""
 
 
+class StepFailedError(WorkerError):
+    """A step's read-back broke the commit rules (a kernel fault): nothing of it was
+    applied, so every request keeps the state it had before the step."""
+
+
 class MigrationError(WorkerError):
     """A request cannot leave its runner now: its next step reads a KV cache held here."""
 

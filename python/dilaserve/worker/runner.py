@@ -13,8 +13,11 @@ current tokens, which is how a request resumes on an instance that never held it
 A step is one packed model call over every row (`models.packed`): fed tokens are
 concatenated, not padded, and the index tensors are built once per step from the host-side
 token state, so the step path has no per-row device work and one device read (the
-committed tokens). With a cache, each request holds a contiguous extent of the KV pool,
-sized by a memory budget and allocated by tokens (`kv_cache`).
+committed tokens). That token state lives in the Rust core (`HeldTokens`, the rules of the
+engine's own copy): a step's index columns come out of it, and its read-back goes into it,
+in one call each, so the host's share of a step has no per-row Python. With a cache, each
+request holds a contiguous extent of the KV pool, sized by a memory budget and allocated by
+tokens (`kv_cache`).
 
 On a tensor-parallel instance this runner lives on rank 0: it broadcasts each step's model
 call as a packed plan (`step_plan`), every rank runs it on its shard, and the commit
@@ -25,13 +28,14 @@ from __future__ import annotations
 
 import contextlib
 import time
+from array import array
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from dilaserve._core import read_back
+from dilaserve._core import STEP_KINDS, HeldTokens
 from dilaserve.kernels import (
     CommitResult,
     argmax_confidence,
@@ -44,7 +48,6 @@ from dilaserve.kernels import (
 )
 from dilaserve.models.packed import PackedBatch
 from dilaserve.protocol import (
-    CONFIDENCE_STATS,
     CacheMode,
     RequestState,
     StepEntry,
@@ -58,6 +61,7 @@ from dilaserve.worker.errors import (
     GroupLostError,
     MigrationError,
     RequestNotHeldError,
+    StepFailedError,
     StepRejectedError,
 )
 from dilaserve.worker.follower import full_vocab_logits, make_pool, vocab_parallel_scores
@@ -65,24 +69,20 @@ from dilaserve.worker.forward import forward_logits
 from dilaserve.worker.kv_cache import budget_tokens, bytes_per_token
 from dilaserve.worker.tp_group import TensorParallelGroup
 
+_KIND_CODES = {StepKind(k): code for code, k in enumerate(STEP_KINDS)}
+
 
 @dataclass
 class _Held:
-    """A request resident on this runner: its state, its tokens, whether it holds a KV
-    extent, and whether that extent holds K/V a cache step may read."""
+    """A request resident on this runner: its decoding options and whether it holds a KV
+    extent. The token fields of `spec` are those it arrived with; the current ones are in
+    the runner's `HeldTokens`."""
 
-    state: RequestState
-    tokens: np.ndarray  # prompt + output ids (int64), the step's host-side source
+    spec: RequestState
     extent: bool
-    # The extent holds K/V of the current block's recompute step: a cache step may read it.
-    cache_valid: bool = False
-    # `state.done`, kept by each commit from the committed block alone (`finished_after`).
-    done: bool = False
-
-    @property
-    def block_start(self) -> int:
-        """Sequence index of the current block's first position."""
-        return self.state.prompt_length + self.state.current_block * self.state.block_length
+    # Its options read its counters (sampling streams, Dream's grid, the fixed schedule):
+    # its steps see a current copy of its state.
+    reads_counters: bool
 
 
 class StepRunner:
@@ -107,6 +107,7 @@ class StepRunner:
         self.config = model.config
         self.device = next(model.parameters()).device
         self.cache_mode = CacheMode(cache)
+        self._step_kinds = self.cache_mode.step_kinds()
         self.max_seq_len = max_seq_len or self.config.max_position_embeddings
         self.group: TensorParallelGroup | None = getattr(model, "group", None)
         if self.group is not None and not isinstance(self.group, TensorParallelGroup):
@@ -133,6 +134,7 @@ class StepRunner:
         if self.pool is not None and self.group is not None:
             self.pool.on_move = self.group.send_moves
         self._held: dict[int, _Held] = {}
+        self._tokens = HeldTokens()
         self.forward_tokens = 0
         # Noise of sampling and of Dream's random rules; seeded, so a runner's samples repeat.
         self._noise = torch.Generator(self.device).manual_seed(0)
@@ -195,25 +197,55 @@ class StepRunner:
         vocab = self.config.vocab_size
         if any(not 0 <= t < vocab for t in state.prompt_ids + state.output_ids):
             raise TokenStateError(f"request {rid}: token id outside the vocabulary [0, {vocab})")
-        if self.pool is not None:
-            self.pool.allocate(rid, state.seq_length)
-        tokens = np.array(state.prompt_ids + state.output_ids, dtype=np.int64)
-        self._held[rid] = _Held(state.copy(), tokens, extent=self.pool is not None, done=state.done)
+        counters = (state.steps_done, state.block_steps, state.timestep)
+        try:
+            self._tokens.add(
+                rid,
+                state.prompt_ids,
+                state.output_ids,
+                state.block_length,
+                state.mask_token_id,
+                state.stop_token_ids,
+                state.steps_per_block is not None,
+                counters,
+            )
+        except (ValueError, OverflowError) as exc:  # a counter that is negative or too large
+            raise TokenStateError(f"request {rid}: {exc}") from None
+        try:
+            if self.pool is not None:
+                self.pool.allocate(rid, state.seq_length)
+        except BaseException:
+            self._tokens.remove(rid)
+            raise
+        reads = state.needs_full_logits or state.steps_per_block is not None
+        self._held[rid] = _Held(state.copy(), extent=self.pool is not None, reads_counters=reads)
 
     def state(self, request_id: int) -> RequestState:
         """A copy of a resident request's current token state."""
-        return self._get(request_id).state.copy()
+        spec = self._get(request_id).spec
+        steps_done, block_steps, timestep, _ = self._tokens.counters(request_id)
+        return replace(
+            spec,
+            prompt_ids=list(spec.prompt_ids),
+            output_ids=self._tokens.output(request_id),
+            stop_token_ids=list(spec.stop_token_ids),
+            steps_done=steps_done,
+            block_steps=block_steps,
+            timestep=timestep,
+        )
 
     def next_kind(self, request_id: int) -> StepKind:
         """The step kind that continues a resident request here, for callers that drive the
         runner without the scheduler (offline decoding, profiling): a cache step exactly
         while this runner holds K/V of the current block (`cache_valid`, which a finished
         block invalidates); the scheduler decides the same from its own count."""
-        return ahead_kind(self.cache_mode, self._get(request_id).cache_valid)
+        self._get(request_id)
+        return ahead_kind(self.cache_mode, self._tokens.cache_valid(request_id))
 
     def finished(self, request_id: int) -> bool:
         """Whether a resident request's last step finished it (it waits to be released)."""
-        return self._get(request_id).done
+        self._get(request_id)
+        return self._tokens.done(request_id)
 
     def export(self, request_id: int) -> RequestState:
         """Removes a request for migration; refused while its next step would read K/V held
@@ -227,11 +259,11 @@ class StepRunner:
 
     def release(self, request_id: int) -> RequestState:
         """Drops a request (finished, cancelled or migrating) and frees its KV extent."""
-        held = self._held.pop(request_id, None)
-        if held is None:
-            raise RequestNotHeldError(request_id)
+        state = self.state(request_id)
+        held = self._held.pop(request_id)
+        self._tokens.remove(request_id)
         self._free_extent(request_id, held)
-        return held.state
+        return state
 
     def _free_extent(self, request_id: int, held: _Held) -> None:
         if held.extent and self.pool is not None:
@@ -251,22 +283,24 @@ class StepRunner:
         """Runs one denoising step of the given kind for every entry of `batch`."""
         started = time.perf_counter()
         held = self._check_batch(batch)
-        kinds = [e.kind for e in batch]
-        starts = [h.block_start for h in held]
-        columns = [self._masked_in_block(h, s) for h, s in zip(held, starts, strict=True)]
-        padded = candidate_columns(columns)
-        packed = self._pack(held, kinds, starts, padded)
-        tau = torch.tensor([e.tau for e in batch], dtype=torch.float32).to(self.device)
+        ids = [e.request_id for e in batch]
+        kinds = [_KIND_CODES[e.kind] for e in batch]
+        packed, candidate = self._pack(ids, kinds)
+        taus = array("f", [e.tau for e in batch])
+        tau = torch.frombuffer(taus, dtype=torch.float32).to(self.device)
+        states = [
+            self.state(r) if h.reads_counters else h.spec for r, h in zip(ids, held, strict=True)
+        ]
         # Rows sampled or scored by options need every logit: a TP step gathers them.
-        sampling = RowSampling.of([h.state for h in held], self.device)
+        sampling = RowSampling.of(states, self.device)
         with self._group_fatal():
             if self.group is not None:
                 self.group.send_step(packed, full_logits=sampling is not None)
             logits = forward_logits(self.model, self.pool, packed)
             if self.group is not None and sampling is not None:
                 logits = full_vocab_logits(self.model, self.group, logits)  # type: ignore[arg-type]
-            counts = [len(c) for c in columns]
-            report = self._commit(batch, held, starts, counts, padded, logits, tau, sampling)
+            host = self._read_back(states, logits, candidate, tau, sampling)
+        report = self._commit(batch, ids, kinds, host)
         report.forward_tokens = fed = packed.ids.numel()
         self.forward_tokens += fed
         report.seconds = time.perf_counter() - started
@@ -275,16 +309,16 @@ class StepRunner:
     def check_entry(self, entry: StepEntry) -> None:
         """Raises `StepRejectedError` (or `RequestNotHeldError`) if `entry` cannot run here."""
         rid = entry.request_id
-        h = self._get(rid)
+        self._get(rid)
         if not 0.0 <= entry.tau <= 1.0:
             raise StepRejectedError(f"request {rid}: threshold {entry.tau} is outside [0, 1]")
-        if h.done:
+        if self._tokens.done(rid):
             raise StepRejectedError(f"request {rid} is already finished")
-        if entry.kind not in self.cache_mode.step_kinds():
+        if entry.kind not in self._step_kinds:
             raise StepRejectedError(
                 f"request {rid}: a {entry.kind} step cannot run with cache mode {self.cache_mode}"
             )
-        if entry.kind is StepKind.CACHE and not h.cache_valid:
+        if entry.kind is StepKind.CACHE and not self._tokens.cache_valid(rid):
             raise StepRejectedError(
                 f"request {rid}: a cache step needs the K/V of this block's recompute step, "
                 "which this instance does not hold"
@@ -315,118 +349,83 @@ class StepRunner:
         except Exception as exc:
             raise GroupLostError(f"rank 0 failed mid-step: {type(exc).__name__}: {exc}") from exc
 
-    def _masked_in_block(self, h: _Held, start: int) -> np.ndarray:
-        """Block positions still masked: the step's candidates (never empty for a request
-        that is not done); `start` is the block's first sequence index."""
-        block = h.tokens[start : start + h.state.block_length]
-        return (block == self.config.mask_token_id).nonzero()[0]
-
-    def _window(self, h: _Held, kind: StepKind, start: int) -> tuple[int, int]:
-        """The sequence positions `[begin, end)` a row feeds: all of them for a full step;
-        for a cache step the block (dual) or block + suffix (prefix). A model whose logits
-        are shifted (Dream) also needs the hidden state of the position before the block."""
-        if kind is not StepKind.CACHE:
-            return 0, h.state.seq_length
-        begin = start - self.config.logit_shift
-        if self.cache_mode is CacheMode.DUAL:
-            return begin, start + h.state.block_length
-        return begin, h.state.seq_length
-
-    def _pack(
-        self,
-        rows: list[_Held],
-        kinds: list[StepKind],
-        starts: list[int],
-        padded: np.ndarray,
-    ) -> PackedBatch:
-        """The step's one packed model call: every row's window, concatenated; logits for
-        the block positions `padded` of each row (whose blocks begin at `starts`)."""
-        windows = [self._window(h, k, s) for h, k, s in zip(rows, kinds, starts, strict=True)]
-        begins = np.array([b for b, _ in windows])
-        lengths = np.array([e - b for b, e in windows])
-        offsets = np.concatenate(([0], np.cumsum(lengths)))
-        ids = np.concatenate([h.tokens[b:e] for h, (b, e) in zip(rows, windows, strict=True)])
-        # Fed token t of row i sits at position begin_i + (t - offset_i).
-        positions = np.arange(offsets[-1]) + np.repeat(begins - offsets[:-1], lengths)
-        # Logits only for the block's still-masked positions (the candidates), in position
-        # order; masked position j of row i is fed token offset_i + (start_i - shift -
-        # begin_i) + j.
-        first = offsets[:-1] + np.array(starts) - self.config.logit_shift - begins
-        index = torch.from_numpy(first[:, None] + padded)
-        positions_t = torch.from_numpy(positions)
-        slots = reads = None
-        if self.pool is not None:
-            bases = [self.pool.base(h.state.request_id) for h in rows]
-            slots = torch.from_numpy(positions + np.repeat(np.array(bases), lengths))
-            slots = slots.to(self.device, non_blocking=True)
-            reads = tuple((base, h.state.seq_length) for base, h in zip(bases, rows, strict=True))
-        return PackedBatch(
-            torch.from_numpy(ids).to(self.device, non_blocking=True),
-            positions_t.to(self.device, non_blocking=True),
-            tuple(lengths.tolist()),
-            index.to(self.device, non_blocking=True),
-            slots,
-            reads,
+    def _pack(self, ids: list[int], kinds: list[int]) -> tuple[PackedBatch, torch.Tensor]:
+        """The step's one packed model call — every row's window (all of its sequence; for
+        a cache step the block under a dual cache, the block and what follows under a
+        prefix cache, with the position before it for a model whose logits are shifted),
+        concatenated; logits for each row's still-masked block positions — and the
+        `[rows, width]` flags of the logit columns that are candidates."""
+        bases = None if self.pool is None else [self.pool.base(r) for r in ids]
+        suffix = self.cache_mode is CacheMode.PREFIX
+        buffer, lengths, seq_lengths, width = self._tokens.pack(
+            ids, kinds, suffix, self.config.logit_shift, bases
         )
+        flat = torch.frombuffer(buffer, dtype=torch.int64).to(self.device, non_blocking=True)
+        fed, grid = sum(lengths), len(ids) * width
+        fed_ids, positions, rest = flat[:fed], flat[fed : 2 * fed], flat[2 * fed :]
+        slots = reads = None
+        if bases is not None:
+            slots, rest = rest[:fed], rest[fed:]
+            reads = tuple(zip(bases, seq_lengths, strict=True))
+        index = rest[:grid].view(len(ids), width)
+        candidate = rest[grid:].view(len(ids), width).bool()
+        packed = PackedBatch(fed_ids, positions, tuple(lengths), index, slots, reads)
+        return packed, candidate
 
-    def _commit(
+    def _read_back(
         self,
-        batch: Sequence[StepEntry],
-        rows: list[_Held],
-        starts: list[int],
-        counts: list[int],
-        padded: np.ndarray,
+        states: list[RequestState],
         logits: torch.Tensor,
+        candidate: torch.Tensor,
         tau: torch.Tensor,
         sampling: RowSampling | None,
+    ) -> np.ndarray:
+        """Commits by each row's rule on the device (logits column j of a row is its j-th
+        candidate where `candidate` says so) and reads the outcome back in the step's one
+        device read: `[rows, 3 * width + 1]` of committed flags, new ids, confidences and
+        the grid steps passed."""
+        tokens = torch.full(
+            candidate.shape, self.config.mask_token_id, dtype=torch.long, device=self.device
+        )
+        schedule = RowSchedule.of(states, self.device)
+        result, timesteps = self._scores_and_commit(
+            logits, sampling, schedule, candidate, tau, tokens
+        )
+        columns = [result.committed, tokens, result.confidence, timesteps[:, None]]
+        return torch.cat([c.double() for c in columns], dim=1).cpu().numpy()
+
+    def _commit(
+        self, batch: Sequence[StepEntry], ids: list[int], kinds: list[int], host: np.ndarray
     ) -> StepReport:
-        """Commits by the threshold rule; logits column j of row i is its block position
-        `padded[i, j]`, a candidate for j below `counts[i]` (lowest position first)."""
-        width = logits.shape[1]
-        on_host = np.arange(width)[None, :] < np.array(counts)[:, None]
-        candidate = torch.from_numpy(on_host).to(self.device, non_blocking=True)
-        ids = torch.full(
-            (len(rows), width), self.config.mask_token_id, dtype=torch.long, device=self.device
-        )
-        schedule = RowSchedule([h.state for h in rows], self.device)
-        result, timesteps = self._scores_and_commit(logits, sampling, schedule, candidate, tau, ids)
-        # The step's one device read: committed flags, new ids, confidences and grid steps.
-        host = (
-            torch.cat(
-                [
-                    result.committed.double(),
-                    ids.double(),
-                    result.confidence.double(),
-                    timesteps[:, None].double(),
-                ],
-                dim=1,
+        """Applies the read-back to the token state in one call, which checks every row
+        before it changes any and returns the report's columns."""
+        try:
+            blocks, counts, positions, committed, confidence, done, passed = self._tokens.commit(
+                ids, kinds, host
             )
-            .cpu()
-            .numpy()
+        except ValueError as exc:
+            raise StepFailedError(str(exc)) from None
+        for rid, finished in zip(ids, done, strict=True):
+            if finished:
+                self._free_extent(rid, self._held[rid])
+        return StepReport(
+            step=0,
+            requests=ids,
+            kinds=[e.kind for e in batch],
+            blocks=blocks,
+            counts=counts,
+            positions=positions,
+            tokens=committed,
+            confidence=confidence,
+            done=done,
+            timesteps=passed,
         )
-        committed, positions, tokens, stats, passed = read_back(host, counts, padded)
-        report = StepReport(step=0)
-        offset = 0
-        for i, (e, h) in enumerate(zip(batch, rows, strict=True)):
-            end = offset + committed[i]
-            self._advance(
-                report,
-                e,
-                h,
-                starts[i],
-                positions[offset:end],
-                tokens[offset:end],
-                stats[CONFIDENCE_STATS * i : CONFIDENCE_STATS * (i + 1)],
-                passed[i],
-            )
-            offset = end
-        return report
 
     def _scores_and_commit(
         self,
         logits: torch.Tensor,
         sampling: RowSampling | None,
-        schedule: RowSchedule,
+        schedule: RowSchedule | None,
         candidate: torch.Tensor,
         tau: torch.Tensor,
         ids: torch.Tensor,
@@ -446,62 +445,6 @@ class StepRunner:
             x0, confidence = argmax_confidence(logits, candidate)
             x0, confidence, rank = sampling.apply(logits, x0, confidence, self._noise)
             result = threshold_commit(x0, confidence, candidate, tau, ids)
+        if schedule is None:  # every row the threshold rule, passing one step of no grid
+            return result, torch.ones(len(tau), dtype=torch.long, device=self.device)
         return schedule.commit(result, rank, candidate, tau, ids, self.config.mask_token_id)
-
-    def _advance(
-        self,
-        report: StepReport,
-        entry: StepEntry,
-        h: _Held,
-        start: int,
-        picked: list[int],
-        tokens: list[int],
-        stats: list[float],
-        timesteps: int,
-    ) -> None:
-        """Applies one row's commit — block positions `picked` (from the block's first
-        sequence index `start`) take `tokens`, and the steps of Dream's grid it passed — to
-        its host-side state (no device work), and adds its row to `report`."""
-        state = h.state
-        h.tokens[[start + p for p in picked]] = tokens
-        out_start = start - state.prompt_length
-        block = out_start // state.block_length
-        positions = [p + out_start for p in picked]
-        state.commit(block, positions, tokens, timesteps)
-        # Every step writes the fed tokens' K/V; only a recompute step refreshes the rest
-        # of the sequence, which a cache step of the same block reads.
-        h.cache_valid = (
-            state.block_steps != 0
-            and entry.kind is not StepKind.NO_CACHE
-            and (h.cache_valid or entry.kind is StepKind.RECOMPUTE)
-        )
-        h.done = done = finished_after(state, block)
-        if done:
-            self._free_extent(state.request_id, h)
-        report.add_row(
-            state.request_id, entry.kind, block, positions, tokens, stats, done, timesteps
-        )
-
-
-def candidate_columns(columns: list[np.ndarray]) -> np.ndarray:
-    """`[rows, widest]` block positions of each row's candidates (`columns`, never empty),
-    a row with fewer repeating its last one; those columns are no candidates."""
-    padded = np.empty((len(columns), max(len(c) for c in columns)), dtype=np.int64)
-    for row, c in zip(padded, columns, strict=True):
-        row[: len(c)] = c
-        row[len(c) :] = c[-1]
-    return padded
-
-
-def finished_after(state: RequestState, block: int) -> bool:
-    """`state.done` after a commit to output block `block`, from that block alone: decoding
-    goes block by block, so the blocks before it are complete and hold no stop token (the
-    request would have ended there), and those after it are still masked."""
-    size = state.block_length
-    start = block * size
-    window = state.output_ids[start : start + size]
-    stops = state.stop_token_ids
-    if state.mask_token_id in window:
-        unmasked = window[: window.index(state.mask_token_id)]
-        return any(t in stops for t in unmasked)
-    return start + size >= len(state.output_ids) or any(t in stops for t in window)
