@@ -79,7 +79,7 @@ def model_dir(directory: str) -> str:
     return str(target)
 
 
-async def live(policy: str, workload_file: str, model: str) -> dict:
+async def live(policy: str, workload_file: str, model: str, **settings: object) -> dict:
     config = EngineConfig(
         model=model,
         emulate=True,
@@ -88,6 +88,7 @@ async def live(policy: str, workload_file: str, model: str) -> dict:
         policy=Policy.named(policy),
         max_accuracy_drop=None,
         max_requests_per_instance=256,
+        **settings,
     )
     engine = Engine(config, EmulatedLauncher(SIMULATED_LLADA8B, nodes=NODES))
     async with serving(engine, ServerSettings("emulated")) as url:
@@ -98,7 +99,8 @@ async def live(policy: str, workload_file: str, model: str) -> dict:
             text=True,
             check=True,
         )
-    return json.loads(done.stdout)
+        steps = engine.status().step_times
+    return {**json.loads(done.stdout), "step_times": steps}
 
 
 def main() -> None:
@@ -134,7 +136,8 @@ def main() -> None:
             path = Path(directory, f"workload_{rate}.json")
             path.write_text(json.dumps(rows))
             for policy in POLICIES:
-                simulated = simulate(setup, policy, workload, rate, slo_s=slo).summary()
+                run = simulate(setup, policy, workload, rate, slo_s=slo)
+                simulated = run.summary()
                 outcome = asyncio.run(live(policy, str(path), model))
                 attained = outcome["met"] / max(outcome["requests"], 1)
                 results[policy, factor] = (attained, simulated.attainment)
@@ -146,6 +149,8 @@ def main() -> None:
                                 "rate": rate,
                                 "live_attainment": attained,
                                 "sim_attainment": simulated.attainment,
+                                "sim_steps": run.stats["steps"],
+                                "sim_step_seconds": run.stats["step_seconds"],
                                 **outcome,
                             }
                         }

@@ -111,15 +111,25 @@ def test_planner_moves_two_tp1_instances_to_one_tp2_under_load_losing_nothing(
         done: list = []
         reconfigured = asyncio.Event()
 
+        mid_decode: set[int] = set()  # live requests with their first block committed
+
         async def client(k: int) -> None:  # keeps one request in flight until the end
             for i in itertools.count(k, 6):
                 p = problems[i % len(problems)]
-                done.append((p, await engine.complete(p.prompt, params(p, **PINNED))))
+                async for out in engine.generate(p.prompt, params(p, **PINNED)):
+                    (mid_decode.discard if out.finished else mid_decode.add)(out.request_id)
+                done.append((p, out))
                 if reconfigured.is_set():
                     return
 
+        def held_mid_decode(instance: int) -> bool:
+            live = (r for r in mid_decode if engine.stats_of(r) is not None)
+            return any(engine.instance_of(r) == instance for r in live)
+
         clients = [asyncio.ensure_future(client(k)) for k in range(6)]
-        while not all(engine.scheduler.instance(i).steps_run for i in (0, 1)):
+        # Drain only once each TP-1 instance holds a request with blocks still to go, so
+        # that one of them must move (waiting for steps alone could drain an idle one).
+        while not all(held_mid_decode(i) for i in (0, 1)):
             await asyncio.sleep(0.001)
         await engine.scale_to({2: 1, 1: 0})
         (inst,) = engine.instances.values()
