@@ -8,10 +8,15 @@ import json
 import urllib.request
 
 import openai
+import zmq.asyncio
 from sched_profiles import flat_profile
 
 from dilaserve.engine import Engine, EngineConfig, GenerationParams
+from dilaserve.profiles import SIMULATED_LLADA8B, llada8b_progress
+from dilaserve.protocol import RequestState, StepCommand, StepKind
+from dilaserve.scheduler import LatencyProfile
 from dilaserve.tiny.tasks import make_problems
+from dilaserve.worker.emulated import EmulatedInstance, Emulation
 
 
 def test_an_emulated_64_instance_cluster_serves_a_burst_over_http(start_server):
@@ -84,3 +89,35 @@ def test_an_emulated_instance_killed_mid_burst_loses_no_request():
     outputs, restarts, hosts = asyncio.run(run())
     assert restarts == 1 and hosts <= 4
     assert all(o.finished and len(o.token_ids) == 256 for o in outputs)
+
+
+def test_a_queued_emulated_step_starts_where_the_one_before_ends_on_the_gpu_timeline():
+    """The host loop waking late (timer ticks, a busy machine) must not slow the emulated
+    GPU: a command queued behind a step starts at that step's end on the instance's
+    timeline, and each report gives the profile's time for its batch."""
+    emulation = Emulation(
+        LatencyProfile.load(str(SIMULATED_LLADA8B)), json.dumps(llada8b_progress()), seed=0
+    )
+    spec = {"worker_id": 1, "instance": 1, "endpoint": "ipc://unused", "max_requests": 4}
+    context = zmq.asyncio.Context()
+    instance = EmulatedInstance(spec, emulation, context)
+    state = RequestState.new(1, [5] * 16, 64, block_length=32, mask_token_id=0)
+
+    async def two_steps():
+        first = await instance.execute(
+            StepCommand(1, [1], [0.9], [StepKind.RECOMPUTE], admit=[state])
+        )
+        first_end = instance.free_at
+        await asyncio.sleep(0.02)  # the loop gets to the queued command late
+        instance.queued = True
+        second = await instance.execute(StepCommand(2, [1], [0.9], [StepKind.AUTO]))
+        return first, first_end, second
+
+    try:
+        first, first_end, second = asyncio.run(two_steps())
+    finally:
+        instance.socket.close()
+        context.term()
+    assert first.seconds == emulation.step_seconds(1, 16 + 64, 0, 0.0)
+    assert second.seconds == emulation.step_seconds(1, 0, 32, 16 + 64)
+    assert instance.free_at == first_end + second.seconds

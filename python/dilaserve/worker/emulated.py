@@ -3,11 +3,15 @@
 Each step takes the latency profile's time for its batch (its full-sequence tokens and its
 cache-step tokens, as the scheduler prices them) and commits, per request, a token count
 drawn from a progress model (`_core.ProgressSampler`, the simulator's draws), left to right
-in the current block. A step reports as its time what it took here (`StepReport.seconds`):
-the profile's time plus the host loop's timer lateness (under a millisecond), the time the
-instance was busy. Everything above the workers — server, engine, scheduler, predictor,
-planner, migration, reconfiguration, launchers — runs unchanged, so a cluster of hundreds
-of GPUs can be tested on a laptop.
+in the current block. Each instance keeps the timeline of the GPU it emulates: a step
+starts when its command arrives or, for a command already queued behind the step before
+(overlap), when that step ends on the timeline, and it reports at the timeline's end of
+it. A host loop's timer wakes a little late (epoll's millisecond ticks, two cores shared
+with the engine); that lateness is taken out of the next queued step instead of adding
+up, as a GPU runs queued kernels back to back. `StepReport.seconds` is the profile's time,
+the time the emulated GPU was busy. Everything above the workers — server, engine,
+scheduler, predictor, planner, migration, reconfiguration, launchers — runs unchanged, so
+a cluster of hundreds of GPUs can be tested on a laptop.
 
 One host process (`python -m dilaserve.worker.emulated`) runs many instances on one
 asyncio loop, each with its own socket and worker id, so the engine cannot tell them from
@@ -102,6 +106,10 @@ class EmulatedInstance:
         #: Requests the last step finished: a step ahead of theirs is skipped.
         self.finished: set[int] = set()
         self.leaving = asyncio.Event()
+        #: When the emulated GPU ends its last step (`time.perf_counter`).
+        self.free_at = 0.0
+        #: The next command was queued before the last step's report went out.
+        self.queued = False
 
     async def run(self) -> int:
         """Serves until `Shutdown`; returns the exit code."""
@@ -127,6 +135,7 @@ class EmulatedInstance:
                 if isinstance(message, Shutdown):
                     return 0
                 await self.socket.send(encode(await self.execute(message)))
+                self.queued = bool(self.socket.get(zmq.EVENTS) & zmq.POLLIN)
         finally:
             announce.cancel()
             self.socket.close()
@@ -137,7 +146,8 @@ class EmulatedInstance:
         await self.socket.send(encode(WorkerLeaving(int(self.spec["instance"]))))
 
     async def execute(self, command: StepCommand) -> StepReport:
-        started = time.perf_counter()
+        now = time.perf_counter()
+        started = self.free_at if self.queued else now
         for rid in command.release:
             self.held.pop(rid, None)
         errors = []
@@ -182,8 +192,9 @@ class EmulatedInstance:
             if _commit(report, self.held[e.request_id], e.kind, n):
                 del self.held[e.request_id]
                 self.finished.add(e.request_id)
-        await asyncio.sleep(max(0.0, seconds - (time.perf_counter() - started)))
-        report.seconds = time.perf_counter() - started
+        self.free_at = started + seconds
+        await asyncio.sleep(max(0.0, self.free_at - time.perf_counter()))
+        report.seconds = seconds
         return report
 
 

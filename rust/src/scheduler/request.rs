@@ -118,7 +118,7 @@ impl Request {
     /// rest is no more than the tokens a step of this block has committed on average (of
     /// the request's steps so far before the block's second step; one before its first).
     /// Such a request's next step likely recomputes, where it may migrate, so overlap
-    /// leaves it to be decided after the report.
+    /// leaves it to be decided after the report unless the policy never migrates.
     pub fn likely_ends_block(&self) -> bool {
         let masked = self.block_length - self.unmasked_in_block;
         let per_step = match (self.block_steps, self.steps_done) {

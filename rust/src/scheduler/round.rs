@@ -92,9 +92,9 @@ impl Assignment {
         }
     }
 
-    /// *(ours)* The step after `r`'s step in flight on `inst`: likely a cache step over its
-    /// block (the worker resolves its kind), at the threshold chosen now.
-    fn ahead(inst: u32, pos: u32, r: &Request, now: f64, caching: bool) -> Self {
+    /// *(ours)* The step after `r`'s step in flight on `inst`, of `tokens` expected tokens
+    /// (the worker resolves its kind), at the threshold chosen now.
+    fn ahead(inst: u32, pos: u32, r: &Request, now: f64, caching: bool, tokens: u64) -> Self {
         let kind = if caching {
             StepKind::Cache
         } else {
@@ -103,7 +103,7 @@ impl Assignment {
         Self {
             ahead: true,
             kind,
-            tokens: r.next_step_estimate(caching),
+            tokens,
             ..Self::new(inst, pos, r, false, now, caching)
         }
     }
@@ -257,11 +257,19 @@ impl Scheduler {
                         && instances.slots[h as usize].busy
                         && placement.open[h as usize]
                 });
-                if let Some(home) = home.filter(|_| !r.likely_ends_block()) {
-                    let n = r.next_step_estimate(caching);
+                // A step in flight that likely ends its block leaves the next step (likely
+                // a recompute step, where the request may migrate) to the report, unless
+                // the request stays home anyway: then it goes ahead, priced as recompute.
+                let ends_block = r.likely_ends_block();
+                if let Some(home) = home.filter(|_| !ends_block || !config.policy.migration) {
+                    let n = if ends_block {
+                        r.seq_tokens()
+                    } else {
+                        r.next_step_estimate(caching)
+                    };
                     if placement.fits(home, &instances.slots[home as usize], n) {
-                        placement.add_fixed(home, n, !caching);
-                        let a = Assignment::ahead(home, pos, r, now, caching);
+                        placement.add_fixed(home, n, !caching || ends_block);
+                        let a = Assignment::ahead(home, pos, r, now, caching, n);
                         scratch.assigned.push(a);
                     }
                 }

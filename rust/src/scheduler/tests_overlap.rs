@@ -151,6 +151,33 @@ fn a_request_likely_to_end_its_block_waits_for_the_report() {
 }
 
 #[test]
+fn without_migration_a_request_likely_to_end_its_block_takes_its_recompute_step_ahead() {
+    let config = SchedulerConfig {
+        overlap: true,
+        policy: Policy::infaas_like(0.9),
+        ..Default::default()
+    };
+    let mut s = Scheduler::new(profile(), config).unwrap();
+    s.add_instance(instance(1, 1)).unwrap();
+    s.arrive(RequestSpec::new(1, 0.0, 100.0, 16, 64)).unwrap();
+    s.schedule(0.0).unwrap();
+    s.step_done(1, 0.05, &[StepResult::new(1, 30)]).unwrap();
+    assert_eq!(s.schedule(0.1).unwrap().entries.len(), 1);
+    // The step in flight likely ends the block; the request cannot move, so its next step
+    // goes ahead, priced as the whole sequence's recompute step.
+    let d = s.schedule(0.11).unwrap().clone();
+    let ahead = batch_of(&d, 1);
+    assert_eq!(ahead.len(), 1);
+    assert!(ahead[0].ahead);
+    assert_eq!(ahead[0].tokens, 16 + 64);
+    // The block ends as expected: the step ahead ran as the next block's recompute step.
+    s.step_done(1, 0.05, &[StepResult::new(1, 2)]).unwrap();
+    s.step_done(1, 0.05, &[StepResult::new(1, 3)]).unwrap();
+    let served = s.served_so_far(1).unwrap();
+    assert_eq!((served.steps, served.recompute_steps), (3, 2));
+}
+
+#[test]
 fn a_request_that_fills_a_block_a_step_gets_no_step_ahead_at_a_block_start() {
     let mut s = overlapping();
     s.arrive(RequestSpec::new(1, 0.0, 100.0, 16, 96)).unwrap();
