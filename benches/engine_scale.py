@@ -21,8 +21,10 @@ Lines (JSON):
   launch); `with_commit_kernels_ms` counts those kernels too, as they run on this CPU.
 
 The machine's cores are split: the engine core on core 0 (with the direct clients where
-they share its process), everything else (the emulated workers, the front end of a core
-process, the HTTP server and the load generator) on the others where the machine has them.
+they share its process, and with the HTTP server, whose parsing and streaming would
+otherwise starve the emulated workers of their core), everything else (the emulated
+workers, the direct clients' front end of a core process, the load generator) on the
+others where the machine has them.
 `python benches/engine_scale.py [--seconds S] [--quick]`.
 """
 
@@ -115,14 +117,17 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def pin_core_process(client: EngineClient) -> None:
-    """The core process to the engine's cores; its emulated hosts and this process (the
-    front end) to the others."""
+def pin_core_process(client: EngineClient, front_end_with_core: bool = False) -> None:
+    """The core process to the engine's cores, its emulated hosts to the others; this
+    process (the front end) to the others too, or beside the core where it would crowd the
+    emulated workers' core (an HTTP server's parsing and streaming, with the load
+    generator beside them, starve the workers' reports on a 2-core machine)."""
     engine_cores, others = split_cores()
     core = client._process.pid
     pin(core, engine_cores)
-    for pid in [*descendants(core), os.getpid()]:
+    for pid in descendants(core):
         pin(pid, others)
+    pin(os.getpid(), engine_cores if front_end_with_core else others)
 
 
 def _stat_cpu_seconds(stat: str) -> float:
@@ -220,7 +225,7 @@ async def over_http(
     engine = emulated_engine(instances, profile, core_process=core_process)
     async with serving(engine, ServerSettings("dilaserve-tiny")) as url:
         if isinstance(engine, EngineClient):
-            pin_core_process(engine)
+            pin_core_process(engine, front_end_with_core=True)
         else:
             pin_hosts(engine)
         _, others = split_cores()
