@@ -143,6 +143,9 @@ class _ClusterSettings:
     replan_interval_s: float | None = 300.0
     replan_window_s: float = 300.0
     launch_s: float = 30.0
+    #: Rehearse each plan on the window's requests (staying vs moving, the transition
+    #: included) and adopt it only if moving meets more deadlines; off: the planner's rule.
+    rehearse_plans: bool = True
     planner_degrees: tuple[int, ...] = (1, 2, 4)
     round_quantum_s: float = 0.0
     #: Seconds each step costs besides the profiled worker execution: the engine's
@@ -198,6 +201,7 @@ class _ClusterSettings:
             "window_s": self.replan_window_s,
             "launch_s": self.launch_s,
             "node_gpus": list(self.node_gpus),
+            "rehearse": self.rehearse_plans,
             "planner": dataclasses.asdict(
                 PlannerConfig(
                     slo_seconds=slo_s,

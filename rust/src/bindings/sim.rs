@@ -172,9 +172,11 @@ fn simulate<'py>(
     stats.set_item("end_time", s.end_time)?;
     stats.set_item("replans", s.replans)?;
     stats.set_item("plans_adopted", s.plans_adopted)?;
+    stats.set_item("plans_rehearsed_out", s.plans_rehearsed_out)?;
     stats.set_item("launches", s.launches)?;
     stats.set_item("stops", s.stops)?;
     stats.set_item("plan_seconds", s.plan_seconds)?;
+    stats.set_item("rehearsal_seconds", s.rehearsal_seconds)?;
     stats.set_item("wall_seconds", s.wall_seconds)?;
     Ok((columns, stats))
 }

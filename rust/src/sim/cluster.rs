@@ -13,7 +13,6 @@ use super::progress::{Draws, ProgressModel};
 use super::reconfig::Reconfig;
 use super::{SimError, SimOptions, SimRequest};
 use crate::id_map::IdMap;
-use crate::planner::Arrival;
 use crate::profile::StepKind;
 use crate::scheduler::{
     DegreeCosts, FinishedRequest, InstanceSpec, RequestSpec, SchedError, Scheduler, StepResult,
@@ -73,8 +72,10 @@ pub(super) struct Simulation<'a> {
     /// Request indices by arrival time, and how many have arrived.
     order: Vec<u32>,
     arrived: usize,
-    /// One per progress class.
+    /// One per progress class, and the models they draw from.
     progress: Vec<Draws<'a>>,
+    models: &'a [ProgressModel],
+    seed: u64,
     quantum: f64,
     step_overhead_s: f64,
     rng: SmallRng,
@@ -178,6 +179,8 @@ impl<'a> Simulation<'a> {
         }
         let mut sim = Self {
             progress: progress.iter().map(|m| Draws::new(m, &taus)).collect(),
+            models: progress,
+            seed: options.seed,
             sched,
             requests,
             order,
@@ -227,6 +230,26 @@ impl<'a> Simulation<'a> {
             },
         );
         Ok(())
+    }
+
+    /// The progress models requests draw from, by class.
+    pub fn progress_models(&self) -> &'a [ProgressModel] {
+        self.models
+    }
+
+    /// This run's options, without replanning.
+    pub fn options(&self) -> SimOptions {
+        SimOptions {
+            seed: self.seed,
+            round_quantum_s: self.quantum,
+            step_overhead_s: self.step_overhead_s,
+            replan: None,
+        }
+    }
+
+    /// Replaces the reconfiguration (a rehearsal's scripted transition).
+    pub fn set_reconfig(&mut self, reconfig: Option<Reconfig>) {
+        self.reconfig = reconfig;
     }
 
     pub fn busy(&self, id: u64) -> bool {
@@ -294,11 +317,7 @@ impl<'a> Simulation<'a> {
         self.arrived += 1;
         let r = self.requests[index as usize];
         if let Some(reconfig) = &mut self.reconfig {
-            reconfig.record(Arrival {
-                time: r.arrival,
-                prompt_tokens: u64::from(r.prompt_len),
-                output_tokens: u64::from(r.output_len),
-            });
+            reconfig.record(&r);
         }
         let spec = RequestSpec::new(
             u64::from(index),

@@ -59,10 +59,13 @@ pub struct SimStats {
     /// Planner runs, adopted plans, instance launches and stops.
     pub replans: u32,
     pub plans_adopted: u32,
+    /// Plans the planner would adopt that their rehearsal turned down.
+    pub plans_rehearsed_out: u32,
     pub launches: u32,
     pub stops: u32,
-    /// Wall seconds the planner took, summed.
+    /// Wall seconds the planner took, summed, and the rehearsals of its plans.
     pub plan_seconds: f64,
+    pub rehearsal_seconds: f64,
     /// Wall seconds of the whole run.
     pub wall_seconds: f64,
 }

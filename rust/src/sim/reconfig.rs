@@ -3,6 +3,14 @@
 //! sequences run one action at a time — a launch is ready after the launch time; a stop
 //! drains the instance by migration and removes it once empty (or, by handover, once its
 //! running step ends: its requests wait for the launch).
+//!
+//! *(ours)* Before a plan is adopted it is rehearsed: the window's requests are replayed
+//! twice on fresh copies of the cluster, once staying and once moving by the plan's own
+//! transition (each launch unavailable for the launch time, stops draining), and the plan
+//! is adopted only if moving meets more deadlines by `REHEARSAL_MARGIN`. The planner's
+//! model prices steps at planned batch sizes and ignores the transition; the rehearsal
+//! prices both as the scheduler will run them, so a plan whose gain does not survive its
+//! transition, or that only looks better to the planner, is not adopted.
 
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -10,9 +18,16 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 
 use super::cluster::Simulation;
-use super::SimError;
+use super::{SimError, SimOptions, SimRequest};
 use crate::planner::{plan, Action, Arrival, ReplanOptions, Replanner, RunningInstance};
-use crate::scheduler::InstanceSpec;
+use crate::scheduler::{InstanceSpec, MeanRatePredictor, Scheduler};
+
+/// Share of the window's requests a rehearsed plan must meet beyond staying to be adopted.
+pub const REHEARSAL_MARGIN: f64 = 0.005;
+
+fn yes() -> bool {
+    true
+}
 
 /// The replanner's options and what the simulated cluster adds.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -23,6 +38,10 @@ pub struct SimReplanOptions {
     pub launch_s: f64,
     /// GPUs of each node.
     pub node_gpus: Vec<u32>,
+    /// Rehearse each plan on the window's requests before adopting it (off: the planner's
+    /// adoption rule alone).
+    #[serde(default = "yes")]
+    pub rehearse: bool,
 }
 
 /// An action of an adopted plan under way.
@@ -33,9 +52,13 @@ enum Running {
 }
 
 pub(super) struct Reconfig {
-    replanner: Replanner,
+    /// `None` in a rehearsal: it runs one given transition and never plans.
+    replanner: Option<Replanner>,
     launch_s: f64,
     node_gpus: Vec<u32>,
+    rehearse: bool,
+    /// The window's requests as they arrived, for rehearsals.
+    recent: VecDeque<SimRequest>,
     queue: VecDeque<Action>,
     /// Instance id of each deployment entry of the adopted plan whose actions are queued.
     plan_ids: Vec<u64>,
@@ -51,17 +74,48 @@ impl Reconfig {
             )));
         }
         Ok(Self {
-            replanner: Replanner::new(options.replan)?,
+            replanner: Some(Replanner::new(options.replan)?),
             launch_s: options.launch_s,
             node_gpus: options.node_gpus,
+            rehearse: options.rehearse,
+            recent: VecDeque::new(),
             queue: VecDeque::new(),
             plan_ids: Vec::new(),
             running: None,
         })
     }
 
-    pub fn record(&mut self, arrival: Arrival) {
-        self.replanner.record(arrival);
+    /// A reconfiguration that runs `actions` (a plan's transition; `ids`: the instance of
+    /// each of its deployment entries) from the start and never plans.
+    fn scripted(actions: &[Action], ids: &[u64], launch_s: f64) -> Self {
+        Self {
+            replanner: None,
+            launch_s,
+            node_gpus: Vec::new(),
+            rehearse: false,
+            recent: VecDeque::new(),
+            queue: actions.iter().cloned().collect(),
+            plan_ids: ids.to_vec(),
+            running: None,
+        }
+    }
+
+    pub fn record(&mut self, request: &SimRequest) {
+        let Some(replanner) = &mut self.replanner else {
+            return;
+        };
+        replanner.record(Arrival {
+            time: request.arrival,
+            prompt_tokens: u64::from(request.prompt_len),
+            output_tokens: u64::from(request.output_len),
+        });
+        if self.rehearse {
+            let horizon = request.arrival - replanner.options().window_s;
+            while self.recent.front().is_some_and(|r| r.arrival < horizon) {
+                self.recent.pop_front();
+            }
+            self.recent.push_back(*request);
+        }
     }
 
     /// The next time this needs the loop: a plan due or a launch ready. A drain in progress
@@ -70,7 +124,10 @@ impl Reconfig {
         match &self.running {
             Some(Running::Launch { ready_at, .. }) => *ready_at,
             _ if self.busy() => f64::INFINITY,
-            _ => self.replanner.next_plan(),
+            _ => self
+                .replanner
+                .as_ref()
+                .map_or(f64::INFINITY, Replanner::next_plan),
         }
     }
 
@@ -80,7 +137,11 @@ impl Reconfig {
 
     /// Moves the reconfiguration forward to `now`.
     pub fn advance(&mut self, sim: &mut Simulation<'_>, now: f64) -> Result<(), SimError> {
-        if !self.busy() && now >= self.replanner.next_plan() {
+        let due = self
+            .replanner
+            .as_ref()
+            .is_some_and(|r| now >= r.next_plan());
+        if !self.busy() && due {
             self.replan(sim, now)?;
         }
         loop {
@@ -159,7 +220,10 @@ impl Reconfig {
             })
             .collect();
         let default_batch = sim.sched.config().max_batch_tokens;
-        let Some(asked) = self.replanner.inputs(
+        let Some(replanner) = &mut self.replanner else {
+            return Ok(());
+        };
+        let Some(asked) = replanner.inputs(
             now,
             None,
             &running,
@@ -174,12 +238,81 @@ impl Reconfig {
         let result = plan(&asked.inputs, sim.sched.profile())?;
         sim.stats.plan_seconds += started.elapsed().as_secs_f64();
         sim.stats.replans += 1;
-        self.replanner.adopt(&result);
-        if let (true, Some(transition)) = (result.adopted, result.transition) {
-            sim.stats.plans_adopted += 1;
-            self.plan_ids = asked.instance_ids;
-            self.queue.extend(transition.actions);
+        let (true, Some(transition)) = (result.adopted, &result.transition) else {
+            replanner.adopt(&result);
+            return Ok(());
+        };
+        if self.rehearse && !transition.actions.is_empty() {
+            let started = Instant::now();
+            let requests = self.window(now);
+            let stay = rehearse(sim, &requests, None)?;
+            let script = Self::scripted(&transition.actions, &asked.instance_ids, self.launch_s);
+            let moved = rehearse(sim, &requests, Some(script))?;
+            sim.stats.rehearsal_seconds += started.elapsed().as_secs_f64();
+            if moved < stay + REHEARSAL_MARGIN {
+                sim.stats.plans_rehearsed_out += 1;
+                return Ok(());
+            }
         }
+        let replanner = self.replanner.as_mut().expect("checked above");
+        replanner.adopt(&result);
+        sim.stats.plans_adopted += 1;
+        self.plan_ids = asked.instance_ids;
+        self.queue.extend(transition.actions.iter().cloned());
         Ok(())
     }
+
+    /// The window's requests, arriving from time 0 on.
+    fn window(&self, now: f64) -> Vec<SimRequest> {
+        let window_s = self
+            .replanner
+            .as_ref()
+            .map_or(0.0, |r| r.options().window_s);
+        let start = now - window_s;
+        self.recent
+            .iter()
+            .filter(|r| r.arrival >= start)
+            .map(|r| SimRequest {
+                arrival: r.arrival - start,
+                ..*r
+            })
+            .collect()
+    }
+}
+
+/// Share of `requests` that meet their deadlines on a fresh copy of `sim`'s cluster and
+/// scheduler settings, running `script` (a transition) from the start when given. Steps
+/// are predicted by the progress model's mean rates and drawn with a fixed seed, so the
+/// two rehearsals of a plan see the same draws.
+fn rehearse(
+    sim: &Simulation<'_>,
+    requests: &[SimRequest],
+    script: Option<Reconfig>,
+) -> Result<f64, SimError> {
+    if requests.is_empty() {
+        return Ok(1.0);
+    }
+    let predictor = MeanRatePredictor::new(&sim.progress_models()[0].mean_rates())?;
+    let mut sched = Scheduler::with_predictor(
+        sim.sched.profile().clone(),
+        sim.sched.config().clone(),
+        Box::new(predictor),
+    )?;
+    let mut instances: Vec<InstanceSpec> = sim.instances.values().map(|i| i.spec.clone()).collect();
+    instances.sort_by_key(|i| i.id);
+    let options = SimOptions {
+        replan: None,
+        ..sim.options()
+    };
+    let mut rehearsal = Simulation::new(
+        &mut sched,
+        &instances,
+        requests,
+        sim.progress_models(),
+        &options,
+    )?;
+    rehearsal.set_reconfig(script);
+    let result = rehearsal.run()?;
+    let met = result.requests.iter().filter(|o| o.slo_met()).count();
+    Ok(met as f64 / requests.len() as f64)
 }
