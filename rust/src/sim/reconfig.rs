@@ -18,7 +18,7 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 
 use super::cluster::Simulation;
-use super::{SimError, SimOptions, SimRequest};
+use super::{SimError, SimRequest};
 use crate::planner::{plan, Action, Arrival, ReplanOptions, Replanner, RunningInstance};
 use crate::scheduler::{InstanceSpec, MeanRatePredictor, Scheduler};
 
@@ -238,13 +238,14 @@ impl Reconfig {
         let result = plan(&asked.inputs, sim.sched.profile())?;
         sim.stats.plan_seconds += started.elapsed().as_secs_f64();
         sim.stats.replans += 1;
+        let window_s = replanner.options().window_s;
         let (true, Some(transition)) = (result.adopted, &result.transition) else {
             replanner.adopt(&result);
             return Ok(());
         };
         if self.rehearse && !transition.actions.is_empty() {
             let started = Instant::now();
-            let requests = self.window(now);
+            let requests = self.window(now - window_s);
             let stay = rehearse(sim, &requests, None)?;
             let script = Self::scripted(&transition.actions, &asked.instance_ids, self.launch_s);
             let moved = rehearse(sim, &requests, Some(script))?;
@@ -254,21 +255,17 @@ impl Reconfig {
                 return Ok(());
             }
         }
-        let replanner = self.replanner.as_mut().expect("checked above");
-        replanner.adopt(&result);
+        if let Some(replanner) = &mut self.replanner {
+            replanner.adopt(&result);
+        }
         sim.stats.plans_adopted += 1;
         self.plan_ids = asked.instance_ids;
         self.queue.extend(transition.actions.iter().cloned());
         Ok(())
     }
 
-    /// The window's requests, arriving from time 0 on.
-    fn window(&self, now: f64) -> Vec<SimRequest> {
-        let window_s = self
-            .replanner
-            .as_ref()
-            .map_or(0.0, |r| r.options().window_s);
-        let start = now - window_s;
+    /// The requests that arrived since `start`, arriving from time 0 on.
+    fn window(&self, start: f64) -> Vec<SimRequest> {
         self.recent
             .iter()
             .filter(|r| r.arrival >= start)
@@ -300,16 +297,12 @@ fn rehearse(
     )?;
     let mut instances: Vec<InstanceSpec> = sim.instances.values().map(|i| i.spec.clone()).collect();
     instances.sort_by_key(|i| i.id);
-    let options = SimOptions {
-        replan: None,
-        ..sim.options()
-    };
     let mut rehearsal = Simulation::new(
         &mut sched,
         &instances,
         requests,
         sim.progress_models(),
-        &options,
+        &sim.options(),
     )?;
     rehearsal.set_reconfig(script);
     let result = rehearsal.run()?;
