@@ -218,8 +218,28 @@ def lowest_bit(mask: int) -> int:
     return (mask & -mask).bit_length() - 1
 
 
-# A tree entry: (start, factor, tokens, batch room, KV room, request room).
-CLOSED = (math.inf, math.inf, BIG, -1, -1, -1)
+# A tree entry: (start, factor, tokens, batch room, KV room, request room, steady tokens).
+CLOSED = (math.inf, math.inf, BIG, -1, -1, -1, BIG)
+
+
+@dataclass(frozen=True)
+class Lookahead:
+    """Further steps earliest-completion choice prices at an instance's steady load."""
+
+    steps: int
+    block: int
+    caching: bool
+
+    def per_step(self, residents: int, seq: int) -> int:
+        if self.caching:
+            return residents * self.block + seq // (self.steps + 1)
+        return seq
+
+    def key(self, leaf: tuple, n: int, own: int, costs: DegreeCosts) -> float:
+        nxt = costs.full(float(leaf[2] + n))
+        if self.steps == 0:
+            return leaf[0] + leaf[1] * nxt
+        return leaf[0] + leaf[1] * (nxt + self.steps * costs.full(float(leaf[6] + own)))
 
 
 class ChoiceTree:
@@ -250,21 +270,22 @@ class ChoiceTree:
             i //= 2
             nodes[i] = _merge(nodes[2 * i], nodes[2 * i + 1])
 
-    def search(self, n: int, seq: int, timed: bool, costs: DegreeCosts, best):
-        bound = self._bound(1, n, seq, timed, costs)
+    def search(self, n: int, seq: int, look: Lookahead | None, costs: DegreeCosts, best):
+        """`look`: earliest completion with this lookahead; None: least loaded."""
+        bound = self._bound(1, n, seq, look, costs)
         if bound is None:
             return best
-        return self._visit(1, 0, self.width, bound, n, seq, timed, costs, best)
+        return self._visit(1, 0, self.width, bound, n, seq, look, costs, best)
 
-    def _bound(self, node, n, seq, timed, costs):
+    def _bound(self, node, n, seq, look, costs):
         if node >= len(self.nodes):
             return None
         agg = self.nodes[node]
         if agg[3] < n or agg[4] < seq or agg[5] < 1:
             return None
-        return agg[0] + agg[1] * costs.full(float(agg[2] + n)) if timed else agg[0]
+        return agg[0] if look is None else look.key(agg, n, look.per_step(1, seq), costs)
 
-    def _visit(self, node, first, span, bound, n, seq, timed, costs, best):
+    def _visit(self, node, first, span, bound, n, seq, look, costs, best):
         first_slot = self.slots[first]
         if best is not None and (bound > best[0] or (bound == best[0] and first_slot > best[1])):
             return best
@@ -272,15 +293,15 @@ class ChoiceTree:
             return (bound, first_slot)
         half = span // 2
         left, right = 2 * node, 2 * node + 1
-        lb = self._bound(left, n, seq, timed, costs)
-        rb = self._bound(right, n, seq, timed, costs)
+        lb = self._bound(left, n, seq, look, costs)
+        rb = self._bound(right, n, seq, look, costs)
         if lb is not None and rb is not None and rb < lb:
-            best = self._visit(right, first + half, half, rb, n, seq, timed, costs, best)
-            return self._visit(left, first, half, lb, n, seq, timed, costs, best)
+            best = self._visit(right, first + half, half, rb, n, seq, look, costs, best)
+            return self._visit(left, first, half, lb, n, seq, look, costs, best)
         if lb is not None:
-            best = self._visit(left, first, half, lb, n, seq, timed, costs, best)
+            best = self._visit(left, first, half, lb, n, seq, look, costs, best)
         if rb is not None:
-            best = self._visit(right, first + half, half, rb, n, seq, timed, costs, best)
+            best = self._visit(right, first + half, half, rb, n, seq, look, costs, best)
         return best
 
     def any_resident_room(self, seq: int) -> bool:
@@ -301,6 +322,7 @@ def _merge(a: tuple, b: tuple) -> tuple:
         max(a[3], b[3]),
         max(a[4], b[4]),
         max(a[5], b[5]),
+        min(a[6], b[6]),
     )
 
 
@@ -308,10 +330,11 @@ class Placement:
     """One round's instance accounting (rust/src/scheduler/placement.rs)."""
 
     def __init__(self, insts: list[Instance], ngroups: int, now: float, least_loaded: bool,
-                 reserved: int | None) -> None:  # fmt: skip
+                 look: Lookahead, reserved: int | None) -> None:  # fmt: skip
         self.insts = insts
         self.now = now
         self.least_loaded = least_loaded
+        self.look = look
         self.reserved = reserved
         n = len(insts)
         self.tokens = [0] * n
@@ -345,7 +368,12 @@ class Placement:
             start, factor = self.start(inst), inst.factor
         kv = BIG if inst.kv is None else max(inst.kv - inst.resident_tokens - q_seq, 0)
         req = BIG if inst.max_req is None else max(inst.max_req - inst.residents - q_reqs, 0)
-        return (start, factor, tokens, max(inst.budget - tokens, 0), kv, req)
+        return (start, factor, tokens, max(inst.budget - tokens, 0), kv, req, self.steady(slot))
+
+    def steady(self, slot: int) -> int:
+        inst = self.insts[slot]
+        q_reqs, q_seq = self.queued[slot]
+        return self.look.per_step(inst.residents + q_reqs, inst.resident_tokens + q_seq)
 
     def leaf(self, slot: int) -> tuple:
         return CLOSED if slot == self.reserved else self.open_leaf(slot)
@@ -367,18 +395,15 @@ class Placement:
     def best(self, n: int, seq: int, groups: list[DegreeCosts]):
         best = None
         for tree, costs in zip(self.trees, groups, strict=False):
-            best = tree.search(n, seq, not self.least_loaded, costs, best)
+            best = tree.search(n, seq, None if self.least_loaded else self.look, costs, best)
         return best
-
-    def key_of(self, leaf: tuple, n: int, costs: DegreeCosts) -> float:
-        if self.least_loaded:
-            return leaf[0]
-        return leaf[0] + leaf[1] * costs.full(float(leaf[2] + n))
 
     def reserved_key(self, slot: int, n: int, seq: int, costs: DegreeCosts) -> float | None:
         leaf = self.open_leaf(slot)
         if leaf[3] >= n and leaf[4] >= seq and leaf[5] >= 1:
-            return self.key_of(leaf, n, costs)
+            if self.least_loaded:
+                return leaf[0]
+            return self.look.key(leaf, n, self.look.per_step(1, seq), costs)
         return None
 
     def home_key(self, slot: int, n: int, seq: int, costs: DegreeCosts) -> float | None:
@@ -388,7 +413,8 @@ class Placement:
         rnd = self.tokens[slot]
         if self.least_loaded:
             return float(max(inst.resident_tokens - seq, 0) + rnd)
-        return self.start(inst) + inst.factor * costs.full(float(inst.base() + rnd + n))
+        leaf = (self.start(inst), inst.factor, inst.base() + rnd, 0, 0, 0, self.steady(slot))
+        return self.look.key(leaf, n, 0, costs)
 
     def add_free(self, slot: int, n: int, new_resident: int | None) -> None:
         self.tokens[slot] += n
@@ -455,6 +481,7 @@ class ReferenceScheduler:
         self.load_control = p.load_control and self.fixed_tau is None
         self.by_priority = p.load_order == "priority"
         self.least_loaded = p.instance_choice == "least_loaded"
+        self.look = Lookahead(p.lookahead_steps, config.block_length, config.caching)
         self.migration = p.migration
         self.every = p.predict_every if p.prediction == "online" else None
         self.predictor = MeanRatePredictor(config.predictor_rates or FAST_DLLM_GSM8K)
@@ -701,7 +728,9 @@ class ReferenceScheduler:
     def _place(self, now: float, ordered: list[Request], out: Decisions):
         insts, groups = self.instances, self.groups
         res = self.reservation
-        p = Placement(insts, len(groups), now, self.least_loaded, None if res is None else res[1])
+        p = Placement(
+            insts, len(groups), now, self.least_loaded, self.look, None if res is None else res[1]
+        )
         self._p = p
 
         def stays(r: Request) -> bool:

@@ -138,12 +138,14 @@ def test_policy_presets_compose() -> None:
         fixed_tau=0.8,
         load_control=False,
         instance_choice="least_loaded",
+        lookahead_steps=0,
         migration=True,
         load_model="window",
         admission="off",
     )
-    q = Policy.dilaserve().window_load_control().without_admission()
-    assert (q.load_model, q.admission) == ("window", "off")
+    q = Policy.dilaserve().window_load_control().without_admission().next_step_choice()
+    assert (q.load_model, q.admission, q.lookahead_steps) == ("window", "off", 0)
+    assert q == Policy.named("paper")
 
 
 def test_decisions_explain_each_threshold(profile: LatencyProfile) -> None:

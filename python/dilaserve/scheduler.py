@@ -159,6 +159,10 @@ class _PolicyPresets:
     def without_admission(self) -> Policy:
         return dataclasses.replace(self, admission="off")  # type: ignore[type-var]
 
+    def next_step_choice(self) -> Policy:
+        """Instance choice by the next step alone (DESIGN §6 as written)."""
+        return dataclasses.replace(self, lookahead_steps=0)  # type: ignore[type-var]
+
     def without_migration(self) -> Policy:
         return dataclasses.replace(self, migration=False)  # type: ignore[type-var]
 

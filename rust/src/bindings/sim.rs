@@ -178,6 +178,16 @@ fn simulate<'py>(
     stats.set_item("plan_seconds", s.plan_seconds)?;
     stats.set_item("rehearsal_seconds", s.rehearsal_seconds)?;
     stats.set_item("wall_seconds", s.wall_seconds)?;
+    let by_degree = PyDict::new(py);
+    for (tp, d) in &s.by_degree {
+        let one = PyDict::new(py);
+        one.set_item("steps", d.steps)?;
+        one.set_item("busy_seconds", d.busy_seconds)?;
+        one.set_item("requests", d.requests)?;
+        one.set_item("tokens", d.tokens)?;
+        by_degree.set_item(tp, one)?;
+    }
+    stats.set_item("by_degree", by_degree)?;
     Ok((columns, stats))
 }
 

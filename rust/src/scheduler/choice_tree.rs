@@ -1,14 +1,17 @@
 //! Exact instance choice over the instances of one TP degree without scanning them all.
 //!
-//! A request's key on instance `s` is `start_s + factor_s × C(tokens_s + n)` (earliest
-//! completion: `C` is the degree's full-step cost, non-decreasing in tokens) or `start_s`
-//! (least loaded, `factor_s = 0`). Factors and start times differ between instances, so
-//! neither the fewest tokens nor the earliest start identifies the best one. A segment tree
-//! over the instances (leaves in slot order) keeps, per subtree, the smallest start, factor
-//! and tokens and the largest batch-token, KV-token and request room. A search descends
-//! left to right and skips a subtree when no instance in it has room, or when
-//! `min start + min factor × C(min tokens + n)` — a lower bound of every key in it — cannot
-//! beat the best key found so far. The answer is the exact minimum of (key, slot).
+//! A request's key on instance `s` is
+//! `start_s + factor_s × (C(tokens_s + n) + L × C(steady_s + own))` (earliest completion: `C`
+//! is the degree's full-step cost, non-decreasing in tokens; the second term prices the
+//! request's `L` further steps at the instance's steady per-step tokens with its own added,
+//! see `placement`) or `start_s` (least loaded, `factor_s = 0`). Factors, start times and
+//! loads differ between instances, so neither the fewest tokens nor the earliest start
+//! identifies the best one. A segment tree over the instances (leaves in slot order) keeps,
+//! per subtree, the smallest start, factor, tokens and steady tokens and the largest
+//! batch-token, KV-token and request room. A search descends left to right and skips a
+//! subtree when no instance in it has room, or when the key of those minima — a lower bound
+//! of every key in it — cannot beat the best key found so far. The answer is the exact
+//! minimum of (key, slot).
 //!
 //! The bound is exact in floating point, not just in real numbers: `C` never decreases even
 //! by rounding (see `cost`), factors and costs are positive, and rounded addition and
@@ -27,6 +30,8 @@ pub(crate) struct Leaf {
     pub factor: f64,
     /// Batch tokens its next step already holds.
     pub tokens: u64,
+    /// Tokens its residents bring to a step in the long run.
+    pub steady: u64,
     /// Batch tokens its next step may still take.
     pub batch_room: i64,
     /// Sequence tokens that may still become resident.
@@ -41,6 +46,7 @@ impl Leaf {
         start: f64::INFINITY,
         factor: f64::INFINITY,
         tokens: u64::MAX,
+        steady: u64::MAX,
         batch_room: -1,
         kv_room: -1,
         req_room: -1,
@@ -51,6 +57,7 @@ impl Leaf {
             start: a.start.min(b.start),
             factor: a.factor.min(b.factor),
             tokens: a.tokens.min(b.tokens),
+            steady: a.steady.min(b.steady),
             batch_room: a.batch_room.max(b.batch_room),
             kv_room: a.kv_room.max(b.kv_room),
             req_room: a.req_room.max(b.req_room),
@@ -72,17 +79,38 @@ pub(crate) struct Query {
     pub seq: u64,
     /// Earliest completion (keys involve step costs) rather than least loaded.
     pub timed: bool,
+    /// Further steps priced at an instance's steady load, and the tokens the request adds
+    /// to each of them.
+    pub lookahead: u32,
+    pub own: u64,
 }
 
 impl Query {
     /// Key of a leaf, or a lower bound of the keys below an aggregate.
     fn key(&self, leaf: &Leaf, costs: &DegreeCosts) -> f64 {
         if self.timed {
-            leaf.start + leaf.factor * costs.full_tokens(leaf.tokens + self.n)
+            completion_key(leaf, self.n, self.lookahead, self.own, costs)
         } else {
             leaf.start
         }
     }
+}
+
+/// Earliest-completion key of a request with an `n`-token next step on `leaf`, its
+/// `lookahead` later steps adding `own` tokens to the leaf's steady load.
+pub(crate) fn completion_key(
+    leaf: &Leaf,
+    n: u64,
+    lookahead: u32,
+    own: u64,
+    costs: &DegreeCosts,
+) -> f64 {
+    let next = costs.full_tokens(leaf.tokens.saturating_add(n));
+    if lookahead == 0 {
+        return leaf.start + leaf.factor * next;
+    }
+    let later = f64::from(lookahead) * costs.full_tokens(leaf.steady.saturating_add(own));
+    leaf.start + leaf.factor * (next + later)
 }
 
 /// The best `(key, slot)` so far; smaller is better.
@@ -224,12 +252,13 @@ mod tests {
             prop::sample::select(vec![0.0, 0.0, 0.05, 0.3]),
             prop::sample::select(vec![0.5, 1.0, 1.0, 1.3]),
             0u64..6000,
+            0u64..3000,
             -5i64..4000,
             -5i64..4000,
             -1i64..3,
             prop::bool::weighted(0.1),
         )
-            .prop_map(|(start, factor, tokens, batch, kv, req, closed)| {
+            .prop_map(|(start, factor, tokens, steady, batch, kv, req, closed)| {
                 if closed {
                     Leaf::CLOSED
                 } else {
@@ -237,6 +266,7 @@ mod tests {
                         start,
                         factor,
                         tokens,
+                        steady,
                         batch_room: batch,
                         kv_room: kv,
                         req_room: req,
@@ -247,13 +277,14 @@ mod tests {
 
     proptest! {
         /// The pruned search returns exactly the minimum (key, slot) of a scan, before and
-        /// after leaf updates, for both kinds of key.
+        /// after leaf updates, for both kinds of key, with and without lookahead.
         #[test]
         fn search_matches_a_scan(
             leaves in prop::collection::vec(leaf(), 1..40),
             updates in prop::collection::vec((any::<prop::sample::Index>(), leaf()), 0..10),
             queries in prop::collection::vec((1u64..3000, 1u64..3000), 1..10),
             timed in any::<bool>(),
+            lookahead in prop::sample::select(vec![0u32, 0, 4, 9]),
         ) {
             let costs = DegreeCosts::new(&profile(), 1, true, 8192).unwrap();
             let slots: Vec<u32> = (0..leaves.len() as u32).map(|i| 3 * i + 1).collect();
@@ -277,7 +308,8 @@ mod tests {
                     tree.set(i as u32, l);
                 }
                 for &(n, seq) in &queries {
-                    let q = Query { n, seq, timed };
+                    let own = 32 + seq / (u64::from(lookahead) + 1);
+                    let q = Query { n, seq, timed, lookahead, own };
                     let mut expected: Best = None;
                     for (i, l) in leaves.iter().enumerate() {
                         if l.admits(n as i64, seq as i64) {

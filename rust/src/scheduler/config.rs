@@ -106,6 +106,12 @@ settings! {
         /// Instance of a request that may move: earliest_completion (DESIGN §6) or
         /// least_loaded (the baselines).
         pub instance_choice: InstanceChoice = InstanceChoice::EarliestCompletion,
+        /// *(ours)* Earliest-completion choice also prices this many further steps of the
+        /// request at each instance's steady load (its residents' block steps plus their
+        /// recompute steps spread over a block of this + 1 steps), so that a request does not
+        /// go where its next step is quick and every later one crowded (a TP-4 instance
+        /// beside idle TP-1s); 0 prices the next step alone (DESIGN §6 as written).
+        pub lookahead_steps: u32 = 9,
         /// Let requests change instance between steps (with caching: before recompute
         /// steps); requests on a draining or removed instance move regardless.
         pub migration: bool = true,
@@ -174,11 +180,13 @@ pub const PRESETS: &[Preset] = &[
     },
     Preset {
         name: "paper",
-        doc: "DESIGN §5's load control as written, admitting everything, on the fixed layout",
+        doc: "DESIGN §5's load control and §6's instance choice as written, admitting everything, \
+              on the fixed layout",
         policy: || {
             Policy::dilaserve()
                 .window_load_control()
                 .without_admission()
+                .next_step_choice()
         },
         fixed_layout: true,
     },
@@ -229,6 +237,7 @@ impl Policy {
             admission: Admission::Off,
             load_order: LoadOrder::Arrival,
             instance_choice: InstanceChoice::LeastLoaded,
+            lookahead_steps: 0,
             migration: false,
             prediction: Prediction::Online,
             predict_every: 1,
@@ -255,6 +264,14 @@ impl Policy {
     pub fn window_load_control(self) -> Self {
         Self {
             load_model: LoadModel::Window,
+            ..self
+        }
+    }
+
+    /// Earliest-completion choice by the next step alone (DESIGN §6 as written).
+    pub fn next_step_choice(self) -> Self {
+        Self {
+            lookahead_steps: 0,
             ..self
         }
     }

@@ -12,11 +12,20 @@
 //! count there for the rest of the round. The least-loaded baseline keys an instance by its
 //! resident tokens plus the tokens assigned to it this round.
 //!
+//! *(ours)* The key also prices the request's next [`Lookahead::steps`] steps at the
+//! instance's steady load: the tokens its residents bring to a step in the long run (with
+//! caching, each one's block plus its whole sequence spread over a block of `steps + 1`
+//! steps, one of them a recompute step; without, each one's sequence), plus the request's
+//! own. The next step alone misjudges instances of different degrees: a TP-4 instance's
+//! next batch of cache steps is quick, so arrivals piled onto it while idle TP-1 instances
+//! waited, and every step of theirs there ran crowded by the others' recompute steps (on
+//! 2 × TP-4 + 8 × TP-1, the TP-4s were busy all the time and the TP-1s a quarter of it).
+//!
 //! A request that would become resident (arrival or migration) goes only where it fits the
 //! instance's resident capacity; every step fits its instance's batch budget. A reserved
 //! instance (see `reservation`) is closed to every free request but its reserver.
 
-use super::choice_tree::{beats, Best, ChoiceTree, Leaf, Query};
+use super::choice_tree::{beats, completion_key, Best, ChoiceTree, Leaf, Query};
 use super::config::InstanceChoice;
 use super::cost::DegreeCosts;
 use super::instance::Instance;
@@ -27,6 +36,27 @@ const NO_LEAF: u32 = u32::MAX;
 /// Index of the tree holding `inst`; an instance's busy state is fixed during a round.
 fn tree_of(inst: &Instance) -> usize {
     2 * inst.group + usize::from(inst.busy)
+}
+
+/// How far earliest-completion choice looks beyond a request's next step.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct Lookahead {
+    /// Further steps priced at an instance's steady load; 0: the next step alone.
+    pub steps: u32,
+    pub block: u64,
+    pub caching: bool,
+}
+
+impl Lookahead {
+    /// Tokens `residents` requests holding `seq` sequence tokens bring to a step in the
+    /// long run.
+    pub fn per_step(&self, residents: u64, seq: u64) -> u64 {
+        if self.caching {
+            residents * self.block + seq / (u64::from(self.steps) + 1)
+        } else {
+            seq
+        }
+    }
 }
 
 /// The instance a free request would go to, with its comparison key.
@@ -66,6 +96,7 @@ pub(crate) struct Placement {
     no_resident_room: u64,
     now: f64,
     choice: Option<InstanceChoice>,
+    lookahead: Lookahead,
 }
 
 impl Placement {
@@ -75,12 +106,14 @@ impl Placement {
         groups: usize,
         now: f64,
         choice: InstanceChoice,
+        lookahead: Lookahead,
         reserved: Option<u32>,
         overlap: bool,
     ) {
         let n = instances.len();
         self.now = now;
         self.choice = Some(choice);
+        self.lookahead = lookahead;
         self.reserved = reserved;
         self.freed();
         self.tokens.clear();
@@ -109,6 +142,16 @@ impl Placement {
     /// Batch tokens instance `slot`'s next step holds so far.
     fn step_tokens(&self, slot: u32, inst: &Instance) -> u64 {
         inst.base_tokens(self.open[slot as usize]) + self.tokens[slot as usize]
+    }
+
+    /// Tokens instance `slot`'s residents, those queued for it included, bring to a step
+    /// in the long run.
+    fn steady(&self, slot: u32, inst: &Instance) -> u64 {
+        let (reqs, seq) = self.queued[slot as usize];
+        self.lookahead.per_step(
+            u64::from(inst.residents) + u64::from(reqs),
+            inst.resident_tokens + seq,
+        )
     }
 
     /// Whether instance `slot`'s next step has room for `n` more batch tokens.
@@ -173,10 +216,12 @@ impl Placement {
                 c.saturating_sub(used).min(i64::MAX as u64) as i64
             })
         };
+        let steady = self.steady(slot, inst);
         Leaf {
             start,
             factor,
             tokens,
+            steady,
             batch_room: room(Some(inst.budget), tokens),
             kv_room: room(inst.kv_tokens, inst.resident_tokens + queued_seq),
             req_room: room(
@@ -212,6 +257,8 @@ impl Placement {
             n,
             seq,
             timed: self.choice != Some(InstanceChoice::LeastLoaded),
+            lookahead: self.lookahead.steps,
+            own: self.lookahead.per_step(1, seq),
         }
     }
 
@@ -246,19 +293,22 @@ impl Placement {
     ) -> Option<f64> {
         let leaf = self.open_leaf(slot, inst);
         let fits = leaf.batch_room >= n as i64 && leaf.kv_room >= seq as i64 && leaf.req_room >= 1;
-        fits.then(|| self.key_of(&leaf, n, costs))
+        fits.then(|| self.key_of(&leaf, n, seq, costs))
     }
 
-    fn key_of(&self, leaf: &Leaf, n: u64, costs: &DegreeCosts) -> f64 {
+    fn key_of(&self, leaf: &Leaf, n: u64, seq: u64, costs: &DegreeCosts) -> f64 {
         match self.choice {
             Some(InstanceChoice::LeastLoaded) => leaf.start,
-            _ => leaf.start + leaf.factor * costs.full_tokens(leaf.tokens + n),
+            _ => {
+                let own = self.lookahead.per_step(1, seq);
+                completion_key(leaf, n, self.lookahead.steps, own, costs)
+            }
         }
     }
 
     /// Key of a request of `seq` tokens staying on its home `slot`, if it may: the home
-    /// takes no new residents, so only batch room counts, and under least-loaded choice
-    /// the request's own tokens are not held against it.
+    /// takes no new residents, so only batch room counts, and the request's own tokens are
+    /// already in its load (least loaded) or its steady load (earliest completion).
     pub fn home_key(
         &self,
         slot: u32,
@@ -276,7 +326,14 @@ impl Placement {
                 (inst.resident_tokens.saturating_sub(seq) + round) as f64
             }
             _ => {
-                self.start(inst) + inst.factor * costs.full_tokens(self.step_tokens(slot, inst) + n)
+                let leaf = Leaf {
+                    start: self.start(inst),
+                    factor: inst.factor,
+                    tokens: self.step_tokens(slot, inst),
+                    steady: self.steady(slot, inst),
+                    ..Leaf::CLOSED
+                };
+                completion_key(&leaf, n, self.lookahead.steps, 0, costs)
             }
         })
     }

@@ -14,7 +14,7 @@ use super::error::SchedError;
 use super::history::FinishedRequest;
 use super::instance::{AheadStep, Instance};
 use super::load_control::LoadControl;
-use super::placement::{Candidate, Placement};
+use super::placement::{Candidate, Lookahead, Placement};
 use super::predictor::{RequestView, StepsLeft};
 use super::request::Request;
 use super::reservation::{self, Reservation};
@@ -230,11 +230,17 @@ impl Scheduler {
         let caching = config.caching;
         let placement: &mut Placement = &mut scratch.placement;
         let choice = config.policy.instance_choice;
+        let lookahead = Lookahead {
+            steps: config.policy.lookahead_steps,
+            block: u64::from(config.block_length),
+            caching,
+        };
         placement.begin(
             &instances.slots,
             groups.len(),
             now,
             choice,
+            lookahead,
             reservation.map(|r| r.slot),
             config.overlap,
         );

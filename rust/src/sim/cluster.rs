@@ -395,6 +395,7 @@ impl<'a> Simulation<'a> {
                 .ok_or_else(|| SimError::Cluster(format!("unknown instance {}", batch.instance)))?;
             let (mut full, mut cache, mut context, mut cached) = (0, 0, 0.0, 0.0_f64);
             inst.step.clear();
+            let degree = self.stats.by_degree.entry(inst.spec.tp).or_default();
             for e in decisions.entries_of(batch) {
                 if e.kind == StepKind::Cache {
                     cache += e.tokens;
@@ -413,10 +414,14 @@ impl<'a> Simulation<'a> {
                     unmasked_in_block: e.unmasked_in_block,
                 });
             }
+            degree.steps += 1;
+            degree.requests += inst.step.len() as u64;
+            degree.tokens += full + cache;
             inst.step_s = self.costs[&inst.spec.tp].batch(full, cache, context / cached.max(1.0))
                 + self.step_overhead_s;
             self.stats.steps += 1;
             self.stats.step_seconds += inst.step_s;
+            degree.busy_seconds += inst.step_s;
             self.due
                 .push(Reverse((Time(now + inst.step_s), batch.instance)));
         }

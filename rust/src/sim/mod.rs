@@ -11,7 +11,7 @@ mod progress;
 mod reconfig;
 
 pub use error::SimError;
-pub use outcome::{RequestOutcome, SimResult, SimStats};
+pub use outcome::{DegreeStats, RequestOutcome, SimResult, SimStats};
 pub use progress::ProgressModel;
 pub use reconfig::SimReplanOptions;
 

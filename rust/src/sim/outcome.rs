@@ -1,6 +1,8 @@
 //! What a simulation returns: one record per request, in the shape the live benchmark
 //! reports, and counters of the run itself.
 
+use std::collections::BTreeMap;
+
 /// How one request fared.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct RequestOutcome {
@@ -41,6 +43,17 @@ impl RequestOutcome {
     }
 }
 
+/// What the instances of one TP degree ran: the batches the scheduler actually formed there.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct DegreeStats {
+    pub steps: u64,
+    /// Simulated seconds of those steps, summed over instances.
+    pub busy_seconds: f64,
+    /// Requests and batch tokens of those steps, summed.
+    pub requests: u64,
+    pub tokens: u64,
+}
+
 /// Counters of one run.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct SimStats {
@@ -68,6 +81,8 @@ pub struct SimStats {
     pub rehearsal_seconds: f64,
     /// Wall seconds of the whole run.
     pub wall_seconds: f64,
+    /// Per TP degree.
+    pub by_degree: BTreeMap<u32, DegreeStats>,
 }
 
 impl SimStats {
