@@ -21,7 +21,13 @@ from pathlib import Path
 from dilaserve.bench.report import plot
 from dilaserve.profiles import SIMULATED_LLADA8B, llada8b_progress
 from dilaserve.scheduler import LatencyProfile
-from dilaserve.sim import ClusterSetup, Workload, simulate
+from dilaserve.sim import (
+    ClusterSetup,
+    Workload,
+    prefill_heavy_lengths,
+    simulate,
+    static_layouts,
+)
 from dilaserve.traces import AZURE_CONV, read_trace
 
 BASELINES = ("infaas", "llumnix")
@@ -142,19 +148,48 @@ def paper_experiments(args) -> None:
             print(json.dumps({"sim16_slo_scale": scale, **s.to_dict()}))
     plot(by_scale, "docs/sim16-slo.png", x_label="SLO scale (× isolated latency)")
 
-    day = Workload.synthetic("day", knee * 0.8, 7200.0, [(p, o) for _, p, o in trace], seed=3)
-    for policy in ("dilaserve", "no-reconfig", *BASELINES):
+    lengths = [(p, o) for _, p, o in trace]
+    day = Workload.synthetic("day", knee * 0.8, 7200.0, lengths, seed=3)
+    for policy in ("no-reconfig", *BASELINES):
         run = simulate(dataclasses.replace(setup, replan_interval_s=300.0), policy, day, knee * 0.8)
-        s = run.summary()
-        print(
-            json.dumps(
-                {
-                    "sim16_day_2h": s.to_dict(),
-                    "replans": run.stats["replans"],
-                    "launches": run.stats["launches"],
-                }
-            )
-        )
+        print(json.dumps({"sim16_day_2h": run.summary().to_dict(), **plan_counts(run)}))
+    against_static(setup, day, knee * 0.8, "day", ">= +1", args.quick)
+    # Short chat, then long prompts (a prefill-heavy mix), then chat again.
+    prefill = prefill_heavy_lengths(2000, seed=5)
+    shift = Workload.shifting(knee * 0.875, 3600.0, (lengths, prefill, lengths), seed=4)
+    against_static(setup, shift, knee * 0.875, "shift", ">= +2", args.quick)
+
+
+def plan_counts(run) -> dict:
+    return {k: run.stats[k] for k in ("replans", "plans_adopted", "launches")}
+
+
+def against_static(setup, workload, rate, label, target, quick) -> None:
+    """DiLaServe replanning every 5 minutes against DiLaServe on each static layout of the
+    same GPUs (every one the nodes can hold; quick: the pure ones), same workload."""
+    layouts = static_layouts(setup.node_gpus)
+    if quick:
+        layouts = [layout for layout in layouts if len(set(layout)) == 1]
+    static = {}
+    for layout in layouts:
+        fixed = dataclasses.replace(setup, layout=layout, replan_interval_s=None)
+        static[layout] = simulate(fixed, "dilaserve", workload, rate).summary()
+    best_layout = max(static, key=lambda layout: static[layout].attainment)
+    run = simulate(dataclasses.replace(setup, replan_interval_s=300.0), "dilaserve", workload, rate)
+    ours = run.summary()
+    for layout, s in static.items():
+        if len(set(layout)) == 1 or layout == best_layout:
+            print(json.dumps({f"sim16_{label}_static": list(layout), **s.to_dict()}))
+    print(json.dumps({f"sim16_{label}_reconfig": ours.to_dict(), **plan_counts(run)}))
+    emit(
+        f"sim16_{label}_reconfig_gain_pp_vs_best_static",
+        100 * (ours.attainment - static[best_layout].attainment),
+        "pp",
+        f"best of {len(static)} static layouts",
+        target=target,
+        best_static=list(best_layout),
+        rate=rate,
+    )
 
 
 def scale_experiment(args) -> None:

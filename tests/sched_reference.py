@@ -728,8 +728,10 @@ class ReferenceScheduler:
     def _place(self, now: float, ordered: list[Request], out: Decisions):
         insts, groups = self.instances, self.groups
         res = self.reservation
+        # The lookahead only tells instances of different degrees apart.
+        look = self.look if len(groups) > 1 else Lookahead(0, self.block_length, self.caching)
         p = Placement(
-            insts, len(groups), now, self.least_loaded, self.look, None if res is None else res[1]
+            insts, len(groups), now, self.least_loaded, look, None if res is None else res[1]
         )
         self._p = p
 

@@ -38,7 +38,12 @@ LINES = {
     "ray.py": ["ray_step_rtt_ms", "ray_launch_s_per_instance"],
     "runtime.py": ["ratio_runtime_vs_reference_loop", "kv_pool_bytes_per_token"],
     "scheduler.py": ["sched_round_ms_1k_req_16_inst", "binding_overhead_frac_10k"],
-    "sim.py": ["sim16_attainment_gain_pp_vs_infaas", "sim_s_100k_req_1024gpu"],
+    "sim.py": [
+        "sim16_attainment_gain_pp_vs_infaas",
+        "sim16_day_reconfig_gain_pp_vs_best_static",
+        "sim16_shift_reconfig_gain_pp_vs_best_static",
+        "sim_s_100k_req_1024gpu",
+    ],
     "sim_vs_live.py": ["sim_vs_live_attainment_abs_diff_pp"],
     "tp.py": ["tp2_step_time_ratio", "tp_commit_bytes_per_position"],
 }

@@ -94,6 +94,31 @@ class Workload:
         )
 
     @classmethod
+    def shifting(
+        cls,
+        rate: float,
+        duration_s: float,
+        phases: Sequence[Sequence[tuple[int, int]]],
+        seed: int = 0,
+    ) -> Workload:
+        """Poisson arrivals at `rate` whose mix shifts: the run splits into equal phases,
+        each drawing its requests' `(prompt, output)` tokens from its own lengths (short
+        chat, then long prompts, then chat again, say)."""
+        rng = random.Random(seed)
+        times = poisson_times(rate, duration_s, rng)
+        span = duration_s / len(phases)
+        picks = []
+        for t in times:
+            lengths = phases[min(int(t / span), len(phases) - 1)]
+            picks.append(lengths[rng.randrange(len(lengths))])
+        return cls(
+            np.asarray(times, dtype=np.float64),
+            np.asarray([p for p, _ in picks], dtype=np.uint32),
+            np.asarray([o for _, o in picks], dtype=np.uint32),
+            duration_s,
+        )
+
+    @classmethod
     def replay(
         cls, trace: Sequence[tuple[float, int, int]], rate: float, duration_s: float
     ) -> Workload:
@@ -106,6 +131,34 @@ class Workload:
             np.asarray([max(1, r[2]) for r in rows], dtype=np.uint32),
             duration_s,
         )
+
+
+def prefill_heavy_lengths(n: int, seed: int = 0) -> list[tuple[int, int]]:
+    """`n` `(prompt, output)` pairs of a prefill-heavy mix (code completion): prompts of
+    2,000–5,000 tokens, outputs of 8–64."""
+    rng = random.Random(seed)
+    return [(rng.randint(2000, 5000), rng.randint(8, 64)) for _ in range(n)]
+
+
+def static_layouts(node_gpus: Sequence[int], degrees: Sequence[int] = (1, 2, 4)) -> list:
+    """Every multiset of instance degrees that fills the nodes, each node filled by its own
+    instances (4 nodes × 4 GPUs, degrees 1/2/4: 25 layouts), largest first as `place`
+    takes them."""
+
+    def fills(gpus: int, largest: int) -> list[tuple[int, ...]]:
+        if gpus == 0:
+            return [()]
+        return [
+            (d, *rest)
+            for d in sorted(degrees, reverse=True)
+            if d <= min(gpus, largest)
+            for rest in fills(gpus - d, d)
+        ]
+
+    layouts: set[tuple[int, ...]] = {()}
+    for gpus in node_gpus:
+        layouts = {tuple(sorted(l + f, reverse=True)) for l in layouts for f in fills(gpus, gpus)}
+    return sorted(layouts)
 
 
 def day_times(rate: float, duration_s: float, rng: random.Random) -> list[float]:

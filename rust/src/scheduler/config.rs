@@ -106,11 +106,12 @@ settings! {
         /// Instance of a request that may move: earliest_completion (DESIGN §6) or
         /// least_loaded (the baselines).
         pub instance_choice: InstanceChoice = InstanceChoice::EarliestCompletion,
-        /// *(ours)* Earliest-completion choice also prices this many further steps of the
-        /// request at each instance's steady load (its residents' block steps plus their
-        /// recompute steps spread over a block of this + 1 steps), so that a request does not
-        /// go where its next step is quick and every later one crowded (a TP-4 instance
-        /// beside idle TP-1s); 0 prices the next step alone (DESIGN §6 as written).
+        /// *(ours)* Where instances of more than one TP degree serve, earliest-completion
+        /// choice also prices this many further steps of the request at each instance's
+        /// steady load (its residents' block steps plus their recompute steps spread over a
+        /// block of this + 1 steps), so that a request does not go where its next step is
+        /// quick and every later one crowded (a TP-4 instance beside idle TP-1s); 0 prices
+        /// the next step alone (DESIGN §6 as written).
         pub lookahead_steps: u32 = 9,
         /// Let requests change instance between steps (with caching: before recompute
         /// steps); requests on a draining or removed instance move regardless.
