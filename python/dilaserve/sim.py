@@ -157,7 +157,11 @@ def static_layouts(node_gpus: Sequence[int], degrees: Sequence[int] = (1, 2, 4))
 
     layouts: set[tuple[int, ...]] = {()}
     for gpus in node_gpus:
-        layouts = {tuple(sorted(l + f, reverse=True)) for l in layouts for f in fills(gpus, gpus)}
+        layouts = {
+            tuple(sorted(done + node, reverse=True))
+            for done in layouts
+            for node in fills(gpus, gpus)
+        }
     return sorted(layouts)
 
 

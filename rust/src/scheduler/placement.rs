@@ -12,8 +12,8 @@
 //! count there for the rest of the round. The least-loaded baseline keys an instance by its
 //! resident tokens plus the tokens assigned to it this round.
 //!
-//! *(ours)* The key also prices the request's next [`Lookahead::steps`] steps at the
-//! instance's steady load: the tokens its residents bring to a step in the long run (with
+//! *(ours)* Where instances of more than one degree serve, the key also prices the
+//! request's next [`Lookahead::steps`] steps at the instance's steady load: the tokens its residents bring to a step in the long run (with
 //! caching, each one's block plus its whole sequence spread over a block of `steps + 1`
 //! steps, one of them a recompute step; without, each one's sequence), plus the request's
 //! own. The next step alone misjudges instances of different degrees: a TP-4 instance's
@@ -100,6 +100,7 @@ pub(crate) struct Placement {
 }
 
 impl Placement {
+    #[allow(clippy::too_many_arguments)]
     pub fn begin(
         &mut self,
         instances: &[Instance],
