@@ -58,6 +58,8 @@ class RequestClass:
     prompt_tokens: float
     output_tokens: float
     rate: float
+    #: The class's own latency objective in seconds; None: `PlannerConfig.slo_seconds`.
+    slo_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,9 @@ class PlannerConfig:
     time_limit_seconds: float = 10.0
     mip_gap: float = 1e-4
     min_improvement: float = 0.10
+    #: Whether latency slack alone may adopt a plan (DESIGN §7); off: served load and
+    #: quality only (see the core's `PlannerConfig`).
+    adopt_for_latency_slack: bool = False
     solver: Solver = "highs"
 
 

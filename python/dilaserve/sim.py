@@ -220,7 +220,7 @@ class _ClusterSettings:
 
     def slo_seconds(self, workload: Workload) -> np.ndarray:
         """`slo_scale` × each request's isolated latency (DESIGN §9)."""
-        tps = float(np.interp(self.slo_tau, *zip(*self.rates(), strict=True)))
+        tps = self.slo_tokens_per_step()
         # One isolated latency per distinct (prompt, output) pair, found through one int64
         # key per request (a million requests have some ten thousand pairs).
         keys = workload.prompt_len.astype(np.int64) << 32 | workload.output_len.astype(np.int64)
@@ -252,7 +252,19 @@ class _ClusterSettings:
             ),
         )
 
-    def replan_json(self, slo_s: float) -> str:
+    def slo_tokens_per_step(self) -> float:
+        """Tokens per step of the SLO unit's threshold."""
+        return float(np.interp(self.slo_tau, *zip(*self.rates(), strict=True)))
+
+    def replan_json(self, slo_s: float, scaled: bool) -> str:
+        """The replanner's options: it plans against `slo_s` seconds for every class, or,
+        `scaled`, against each class's own multiple of its isolated latency, as the setup's
+        SLOs are (`slo_s`, their mean, then only seeds the planner's config)."""
+        if scaled:
+            unit = {"scale": self.slo_scale, "tokens_per_step": self.slo_tokens_per_step()}
+            slo = {"scaled": unit}
+        else:
+            slo = {"fixed": {"seconds": slo_s}}
         options = {
             "interval_s": self.replan_interval_s,
             "window_s": self.replan_window_s,
@@ -267,7 +279,7 @@ class _ClusterSettings:
                     block_length=self.block_length,
                 )
             ),
-            "slo": {"fixed": {"seconds": slo_s}},
+            "slo": slo,
             "thresholds": [dataclasses.asdict(t) for t in self.threshold_options()],
             "bins": dataclasses.asdict(BinSpec()),
         }
@@ -355,7 +367,7 @@ def simulate(
     degrees = setup.layout if adapts else (1,) * sum(setup.node_gpus)
     replan = None
     if adapts and setup.replan_interval_s:
-        replan = setup.replan_json(float(np.mean(slo)) if len(slo) else 1.0)
+        replan = setup.replan_json(float(np.mean(slo)) if len(slo) else 1.0, slo_s is None)
     scheduler = setup.scheduler(Policy.named(policy))
     models, classes = progress_classes(setup, workload)
     columns, stats = _core.simulate(

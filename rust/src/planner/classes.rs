@@ -124,6 +124,7 @@ pub fn classes_from_arrivals(
             prompt_tokens: p / n as f64,
             output_tokens: o / n as f64,
             rate: n as f64 * scale,
+            slo_seconds: None,
         })
         .collect())
 }

@@ -79,11 +79,13 @@ fn relative_gain(new: f64, old: f64) -> f64 {
 }
 
 /// The adoption rule: a new plan replaces the running one only if some objective (served
-/// load, quality, latency slack, in that order) improves by at least `min_improvement`.
+/// load, quality and, if `for_slack`, latency slack, in that order) improves by at least
+/// `min_improvement`.
 fn adoption(
     current: Option<PlanValue>,
     new: PlanValue,
     min_improvement: f64,
+    for_slack: bool,
 ) -> (bool, Option<Gains>, String) {
     let Some(old) = current else {
         return (true, None, "no deployment is running".into());
@@ -98,8 +100,9 @@ fn adoption(
         ("quality", gains.quality),
         ("latency slack", gains.latency_slack),
     ];
+    let counted = if for_slack { 3 } else { 2 };
     let pct = |g: f64| 100.0 * g;
-    match named.iter().find(|(_, g)| *g >= min_improvement) {
+    match named[..counted].iter().find(|(_, g)| *g >= min_improvement) {
         Some((name, g)) => (
             true,
             Some(gains),
@@ -110,11 +113,16 @@ fn adoption(
             Some(gains),
             format!(
                 "no objective improves by {:.1} % (served load {:+.1} %, quality {:+.1} %, \
-                 latency slack {:+.1} %): keeping the running deployment",
+                 latency slack {:+.1} %{}): keeping the running deployment",
                 pct(min_improvement),
                 pct(gains.sustained_load),
                 pct(gains.quality),
-                pct(gains.latency_slack)
+                pct(gains.latency_slack),
+                if for_slack {
+                    ""
+                } else {
+                    ", which alone adopts nothing"
+                }
             ),
         ),
     }
@@ -162,8 +170,12 @@ pub fn plan(inputs: &PlannerInputs, profile: &LatencyProfile) -> Result<Plan, Pl
     let solved = stage1.solve(None, &warm)?;
     let capacity = stage1.extract(&solved)?;
     let stage1_seconds = started.elapsed().as_secs_f64();
-    let (adopted, gains, reason) =
-        adoption(current_value, capacity.value, inputs.config.min_improvement);
+    let (adopted, gains, reason) = adoption(
+        current_value,
+        capacity.value,
+        inputs.config.min_improvement,
+        inputs.config.adopt_for_latency_slack,
+    );
     let transition = if adopted {
         let targets: Vec<u32> = capacity.degrees.iter().map(|d| d.instances).collect();
         Some(stage2::plan_transition(

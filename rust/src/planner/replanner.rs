@@ -17,8 +17,9 @@ use super::slo::mean_isolated_latency;
 use super::Plan;
 use crate::profile::LatencyProfile;
 
-/// The planner's SLO: a fixed number of seconds, or a multiple of the window's mean
-/// isolated latency (alone on TP-1 at the given tokens per step), as default SLOs are.
+/// The planner's SLO: a fixed number of seconds for every class, or, as default SLOs are,
+/// a multiple of each class's isolated latency (alone on TP-1 at the given tokens per
+/// step), so a class of long requests is planned against its own, longer deadline.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum SloTarget {
@@ -185,6 +186,7 @@ impl Replanner {
             .chain(current.batch_tokens.values().copied())
             .collect();
         config.batch_tokens = sizes.into_iter().collect();
+        let mut classes = classes_from_arrivals(&arrivals, start, now, &self.options.bins)?;
         config.slo_seconds = match self.options.slo {
             SloTarget::Fixed { seconds } => seconds,
             SloTarget::Scaled {
@@ -195,18 +197,29 @@ impl Replanner {
                     threshold: 1.0,
                     tokens_per_step,
                 };
-                scale
-                    * mean_isolated_latency(
+                let alone = |arrivals: &[Arrival]| {
+                    mean_isolated_latency(
                         profile,
-                        &arrivals,
+                        arrivals,
                         top,
                         config.caching,
                         config.block_length,
-                    )?
+                    )
+                };
+                // Each class's own multiple, as each request's deadline is.
+                for class in &mut classes {
+                    let typical = Arrival {
+                        time: now,
+                        prompt_tokens: class.prompt_tokens.round() as u64,
+                        output_tokens: class.output_tokens.round().max(1.0) as u64,
+                    };
+                    class.slo_seconds = Some(scale * alone(&[typical])?);
+                }
+                scale * alone(&arrivals)?
             }
         };
         let inputs = PlannerInputs {
-            classes: classes_from_arrivals(&arrivals, start, now, &self.options.bins)?,
+            classes,
             thresholds: self.options.thresholds.clone(),
             node_gpus: node_gpus.to_vec(),
             config,
@@ -333,6 +346,40 @@ mod tests {
             rate > 0.0 && rate < 1.0,
             "the arrival at t=1 left the window: {rate}"
         );
+    }
+
+    #[test]
+    fn scaled_slos_give_each_class_its_own_multiple_of_its_isolated_latency() {
+        let mut r = replanner();
+        let p = profile();
+        for (i, prompt) in [100, 100, 3000, 3000].into_iter().enumerate() {
+            r.record(Arrival {
+                prompt_tokens: prompt,
+                ..arrival(1.0 + i as f64)
+            });
+        }
+        let asked = r.inputs(5.0, None, &[], &[2], 8192, &p).unwrap().unwrap();
+        let slo = |prompt: u64| {
+            let typical = Arrival {
+                prompt_tokens: prompt,
+                ..arrival(0.0)
+            };
+            let top = ThresholdOption {
+                threshold: 1.0,
+                tokens_per_step: 3.0,
+            };
+            5.0 * mean_isolated_latency(&p, &[typical], top, true, 32).unwrap()
+        };
+        let mut got: Vec<(f64, f64)> = asked
+            .inputs
+            .classes
+            .iter()
+            .map(|c| (c.prompt_tokens, c.slo_seconds.unwrap()))
+            .collect();
+        got.sort_by(|a, b| a.0.total_cmp(&b.0));
+        assert_eq!(got, vec![(100.0, slo(100)), (3000.0, slo(3000))]);
+        assert!(slo(3000) > asked.inputs.config.slo_seconds);
+        assert!(slo(100) < asked.inputs.config.slo_seconds);
     }
 
     #[test]

@@ -468,7 +468,7 @@ fn unreachable_classes(problem: &Problem) -> Vec<bool> {
                     best = best.min(t);
                 }
             }
-            best > problem.slo
+            best > class.slo
         })
         .collect()
 }

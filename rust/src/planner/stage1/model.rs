@@ -126,10 +126,10 @@ pub(crate) fn quality(problem: &Problem, vars: &Vars) -> Linear {
     }
 }
 
-/// Latency slack of the served requests, `Σ_k α·rate_k·(SLO − t_k)`, in request-seconds
+/// Latency slack of the served requests, `Σ_k α·rate_k·(SLO_k − t_k)`, in request-seconds
 /// per second.
 pub(crate) fn slack(problem: &Problem, vars: &Vars) -> Linear {
-    let mut terms = vec![(vars.alpha, problem.slo * problem.total_rate())];
+    let mut terms = vec![(vars.alpha, problem.rate_weighted_slo())];
     for (class, per_option) in problem.classes.iter().zip(&vars.v) {
         for (j, per_kind) in per_option.iter().enumerate() {
             for (kind, v) in per_kind.iter().enumerate() {
@@ -228,7 +228,7 @@ fn flow_bound(
     let by_latency = if spec.exempt[k] {
         f64::INFINITY
     } else {
-        class.rate * problem.slo / class.latency[j][kind]
+        class.rate * class.slo / class.latency[j][kind]
     };
     by_demand.min(by_capacity).min(by_latency)
 }
@@ -440,7 +440,7 @@ fn add_demand_and_latency(model: &mut Model, problem: &Problem, vars: &Vars, spe
                 })
                 .sum();
             model.constrain(constraint!(
-                latency <= class.rate * problem.slo * vars.alpha.var
+                latency <= class.rate * class.slo * vars.alpha.var
             ));
         }
     }

@@ -8,7 +8,7 @@ use std::collections::BTreeSet;
 
 use good_lp::{constraint, variable, Expression};
 
-use super::super::inputs::PlannerInputs;
+use super::super::inputs::{PlannerInputs, RequestClass};
 use super::super::plan_capacity;
 use super::super::solver::{Model, Outcome, SolveSettings, Var};
 use super::super::stage1::keep;
@@ -137,7 +137,7 @@ fn lp(
         vec![StepKind::NoCache]
     };
     let block = cfg.block_length as f64;
-    let slo = cfg.slo_seconds;
+    let slo_of = |c: &RequestClass| c.slo_seconds.unwrap_or(cfg.slo_seconds);
     let mut thresholds = inputs.thresholds.clone();
     thresholds.sort_by(|a, b| a.threshold.total_cmp(&b.threshold));
     let total_rate: f64 = inputs.classes.iter().map(|c| c.rate).sum();
@@ -150,7 +150,8 @@ fn lp(
     };
     let mut quality = Affine::default();
     let mut slack = Affine::default();
-    slack.add(alpha, slo * total_rate);
+    let rate_weighted_slo: f64 = inputs.classes.iter().map(|c| c.rate * slo_of(c)).sum();
+    slack.add(alpha, rate_weighted_slo);
     // busy[d]: instance-seconds per second of degree d.
     let mut busy: Vec<Affine> = vec![Affine::default(); counts.len()];
     for class in &inputs.classes {
@@ -219,7 +220,7 @@ fn lp(
                 busy[d].add(sd[d][kind], rate * tokens * lat / b as f64);
             }
         }
-        let bound = slo * alpha.var;
+        let bound = slo_of(class) * alpha.var;
         let t = latency.expr();
         m.constrain(constraint!(t <= bound));
         for &(v, c) in &latency.terms {
@@ -320,10 +321,12 @@ fn assert_matches_brute_force(inputs: &PlannerInputs) -> (bool, f64) {
 }
 
 /// Random small clusters across light, loaded and overloaded regimes, with node sizes on
-/// both packing paths (pooled 4-GPU nodes, layout-enumerated 6-GPU nodes).
+/// both packing paths (pooled 4-GPU nodes, layout-enumerated 6-GPU nodes), one SLO for
+/// every class or one per class.
 #[test]
 fn stage1_optimum_equals_enumeration() {
     let mut rng = Lcg(7);
+    let mut class_slo = Lcg(11);
     let mut regimes = BTreeSet::new();
     for case in 0..10 {
         let nodes = if case % 3 == 2 {
@@ -350,6 +353,12 @@ fn stage1_optimum_equals_enumeration() {
             rng.range(8.0, 30.0),
         );
         inp.config.caching = case % 2 == 1;
+        if case % 4 == 0 {
+            // Per-class SLOs, as scaled default SLOs give (long classes get longer ones).
+            for c in &mut inp.classes {
+                c.slo_seconds = Some(inp.config.slo_seconds * class_slo.range(0.5, 2.0));
+            }
+        }
         let (overloaded, quality) = assert_matches_brute_force(&inp);
         let regime = if overloaded {
             "overloaded"

@@ -55,6 +55,7 @@ pub(super) fn class(prompt: f64, output: f64, rate: f64) -> RequestClass {
         prompt_tokens: prompt,
         output_tokens: output,
         rate,
+        slo_seconds: None,
     }
 }
 

@@ -208,3 +208,43 @@ fn a_plan_is_adopted_only_when_an_objective_improves_enough() {
     let gains = replaced.gains.unwrap();
     assert!(gains.quality >= 0.1 || gains.latency_slack >= 0.1 || gains.sustained_load >= 0.1);
 }
+
+#[test]
+fn latency_slack_alone_adopts_a_plan_only_when_asked_to() {
+    // Light load on all TP-1 at its smallest batch: every class already runs at the top
+    // threshold, and the best plan (TP-4) gains only latency slack.
+    let profile = profile();
+    let mut i = cluster(0.05);
+    i.config.slo_seconds = 8.0;
+    i.current = Some(Deployment {
+        instances: (0..8)
+            .map(|g| Instance {
+                node: g / 4,
+                degree: 1,
+                gpus: vec![(g % 4) as u32],
+            })
+            .collect(),
+        batch_tokens: [(1, 1024)].into_iter().collect(),
+    });
+    let kept = plan(&i, &profile).unwrap();
+    let gains = kept.gains.unwrap();
+    assert!(gains.latency_slack >= 0.1, "{gains:?}");
+    assert!(gains.quality.abs() < 1e-9 && gains.sustained_load.abs() < 1e-9);
+    assert!(
+        !kept.adopted && kept.transition.is_none(),
+        "{}",
+        kept.reason
+    );
+    assert!(
+        kept.reason.contains("which alone adopts nothing"),
+        "{}",
+        kept.reason
+    );
+    i.config.adopt_for_latency_slack = true;
+    let moved = plan(&i, &profile).unwrap();
+    assert!(
+        moved.adopted && moved.reason.contains("latency slack"),
+        "{}",
+        moved.reason
+    );
+}
