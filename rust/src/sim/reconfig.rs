@@ -10,9 +10,12 @@
 //! is adopted only if moving meets more deadlines by `REHEARSAL_MARGIN`. The planner's
 //! model prices steps at planned batch sizes and ignores the transition; the rehearsal
 //! prices both as the scheduler will run them, so a plan whose gain does not survive its
-//! transition, or that only looks better to the planner, is not adopted.
+//! transition, or that only looks better to the planner, is not adopted. A cluster of more
+//! than `REHEARSAL_MAX_INSTANCES` is rehearsed on a slice of it: its first nodes holding
+//! that many instances, every k-th request of the window for the same share, and the
+//! plan's actions on those nodes.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
@@ -24,6 +27,11 @@ use crate::scheduler::{InstanceSpec, MeanRatePredictor, Scheduler};
 
 /// Share of the window's requests a rehearsed plan must meet beyond staying to be adopted.
 pub const REHEARSAL_MARGIN: f64 = 0.005;
+
+/// Most instances a rehearsal replays: a larger cluster is rehearsed on a slice of its
+/// nodes with the same share of the window's requests, so that rehearsing a plan at 1,024
+/// GPUs costs about what it does at 64 (the whole cluster took 100 s a plan there).
+pub const REHEARSAL_MAX_INSTANCES: usize = 64;
 
 fn yes() -> bool {
     true
@@ -245,10 +253,17 @@ impl Reconfig {
         };
         if self.rehearse && !transition.actions.is_empty() {
             let started = Instant::now();
-            let requests = self.window(now - window_s);
-            let stay = rehearse(sim, &requests, None)?;
-            let script = Self::scripted(&transition.actions, &asked.instance_ids, self.launch_s);
-            let moved = rehearse(sim, &requests, Some(script))?;
+            let (nodes, share) = rehearsal_slice(sim);
+            let requests = thinned(self.window(now - window_s), share);
+            let on_slice: Vec<Action> = transition
+                .actions
+                .iter()
+                .filter(|a| nodes.contains(&action_node(a)))
+                .cloned()
+                .collect();
+            let stay = rehearse(sim, &nodes, &requests, None)?;
+            let script = Self::scripted(&on_slice, &asked.instance_ids, self.launch_s);
+            let moved = rehearse(sim, &nodes, &requests, Some(script))?;
             sim.stats.rehearsal_seconds += started.elapsed().as_secs_f64();
             if moved < stay + REHEARSAL_MARGIN {
                 sim.stats.plans_rehearsed_out += 1;
@@ -277,12 +292,52 @@ impl Reconfig {
     }
 }
 
-/// Share of `requests` that meet their deadlines on a fresh copy of `sim`'s cluster and
-/// scheduler settings, running `script` (a transition) from the start when given. Steps
-/// are predicted by the progress model's mean rates and drawn with a fixed seed, so the
-/// two rehearsals of a plan see the same draws.
+fn action_node(action: &Action) -> u32 {
+    match action {
+        Action::Launch { node, .. } | Action::Stop { node, .. } => *node as u32,
+    }
+}
+
+/// The nodes a rehearsal replays (the first ones, holding at least
+/// `REHEARSAL_MAX_INSTANCES` instances, or all) and their share of the instances.
+fn rehearsal_slice(sim: &Simulation<'_>) -> (BTreeSet<u32>, f64) {
+    let mut per_node: BTreeMap<u32, usize> = BTreeMap::new();
+    for i in sim.instances.values() {
+        *per_node.entry(i.spec.node).or_default() += 1;
+    }
+    let total: usize = per_node.values().sum();
+    let (mut nodes, mut kept) = (BTreeSet::new(), 0);
+    for (node, count) in per_node {
+        if kept >= REHEARSAL_MAX_INSTANCES {
+            break;
+        }
+        nodes.insert(node);
+        kept += count;
+    }
+    (nodes, kept as f64 / total.max(1) as f64)
+}
+
+/// Every k-th of `requests` for a `share` of them (all for 1).
+fn thinned(requests: Vec<SimRequest>, share: f64) -> Vec<SimRequest> {
+    if share >= 1.0 {
+        return requests;
+    }
+    let taken = |j: usize| (j as f64 * share).floor();
+    requests
+        .into_iter()
+        .enumerate()
+        .filter(|&(j, _)| taken(j + 1) > taken(j))
+        .map(|(_, r)| r)
+        .collect()
+}
+
+/// Share of `requests` that meet their deadlines on a fresh copy of `sim`'s instances on
+/// `nodes` and its scheduler settings, running `script` (a transition) from the start when
+/// given. Steps are predicted by the progress model's mean rates and drawn with a fixed
+/// seed, so the two rehearsals of a plan see the same draws.
 fn rehearse(
     sim: &Simulation<'_>,
+    nodes: &BTreeSet<u32>,
     requests: &[SimRequest],
     script: Option<Reconfig>,
 ) -> Result<f64, SimError> {
@@ -295,7 +350,12 @@ fn rehearse(
         sim.sched.config().clone(),
         Box::new(predictor),
     )?;
-    let mut instances: Vec<InstanceSpec> = sim.instances.values().map(|i| i.spec.clone()).collect();
+    let mut instances: Vec<InstanceSpec> = sim
+        .instances
+        .values()
+        .filter(|i| nodes.contains(&i.spec.node))
+        .map(|i| i.spec.clone())
+        .collect();
     instances.sort_by_key(|i| i.id);
     let mut rehearsal = Simulation::new(
         &mut sched,
@@ -308,4 +368,26 @@ fn rehearse(
     let result = rehearsal.run()?;
     let met = result.requests.iter().filter(|o| o.slo_met()).count();
     Ok(met as f64 / requests.len() as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_thinned_window_keeps_its_share_spread_over_the_window() {
+        let requests: Vec<SimRequest> = (0..1000)
+            .map(|i| SimRequest {
+                arrival: f64::from(i),
+                prompt_len: 10,
+                output_len: 10,
+                slo_s: 1.0,
+                class: 0,
+            })
+            .collect();
+        let kept = thinned(requests.clone(), 0.25);
+        assert_eq!(kept.len(), 250);
+        assert!(kept.windows(2).all(|w| w[1].arrival - w[0].arrival == 4.0));
+        assert_eq!(thinned(requests.clone(), 1.0), requests);
+    }
 }
