@@ -106,8 +106,7 @@ pub struct PlannerConfig {
     /// *(ours)* Whether latency slack alone may adopt a plan, as DESIGN §7's rule has it.
     /// Off: only served load and quality do. Where those tie, every class already meets
     /// its SLO at its top threshold, and a faster layout buys latency with a transition
-    /// and with throughput per GPU (TP-1 has the most): on the simulated day trace the
-    /// plans adopted for slack met 96.9 % where staying on all TP-1 met 99.4 %.
+    /// and with throughput per GPU (TP-1 has the most on the shipped profile).
     #[serde(default)]
     pub adopt_for_latency_slack: bool,
     #[serde(default)]
