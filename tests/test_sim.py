@@ -16,7 +16,15 @@ from dilaserve.cli import main
 from dilaserve.predictor import progress as progress_model
 from dilaserve.profiles import SIMULATED_LLADA8B
 from dilaserve.scheduler import LatencyProfile
-from dilaserve.sim import ClusterSetup, SimInputError, Workload, place, simulate
+from dilaserve.sim import (
+    ClusterSetup,
+    SimInputError,
+    Workload,
+    place,
+    prefill_heavy_lengths,
+    simulate,
+    static_layouts,
+)
 from dilaserve.tiny import default_model_dir
 
 TRACES = Path(__file__).parent / "predictor" / "data" / "tiny_traces.parquet"
@@ -180,3 +188,23 @@ def test_a_mixed_layout_serves_as_well_as_the_pure_ones(setup: ClusterSetup) -> 
             assert 0 < d["busy_seconds"] <= run.stats["end_time"] * len(layout)
     mixed = met.pop((4, 4) + (1,) * 8)
     assert mixed >= min(met.values()) - 0.02, (mixed, met)
+
+
+def test_a_shifting_workload_draws_each_phase_from_its_lengths() -> None:
+    chat, long = [(100, 200), (300, 100)], prefill_heavy_lengths(50, seed=1)
+    assert all(2000 <= p <= 5000 and 8 <= o <= 64 for p, o in long)
+    w = Workload.shifting(20.0, 300.0, (chat, long, chat), seed=2)
+    assert np.all(np.diff(w.arrival) >= 0) and w.arrival[-1] < 300.0
+    for arrival, p, o in zip(w.arrival, w.prompt_len, w.output_len, strict=True):
+        phase = chat if arrival < 100.0 or arrival >= 200.0 else long
+        assert (int(p), int(o)) in phase
+
+
+def test_static_layouts_are_every_way_to_fill_the_nodes() -> None:
+    layouts = static_layouts((4, 4, 4, 4))
+    assert len(layouts) == len(set(layouts)) == 25
+    assert {(1,) * 16, (2,) * 8, (4,) * 4, (4, 2, 2) + (1,) * 8} <= set(layouts)
+    for layout in layouts:
+        assert sum(layout) == 16
+        place(layout, (4, 4, 4, 4))  # each packs onto the nodes
+    assert static_layouts((2,), degrees=(1, 2)) == [(1, 1), (2,)]
