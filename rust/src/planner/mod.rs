@@ -118,7 +118,7 @@ fn adoption(
                 pct(gains.sustained_load),
                 pct(gains.quality),
                 pct(gains.latency_slack),
-                if for_slack {
+                if for_slack || gains.latency_slack < min_improvement {
                     ""
                 } else {
                     ", which alone adopts nothing"

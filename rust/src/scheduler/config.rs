@@ -106,7 +106,7 @@ settings! {
         /// Instance of a request that may move: earliest_completion (DESIGN §6) or
         /// least_loaded (the baselines).
         pub instance_choice: InstanceChoice = InstanceChoice::EarliestCompletion,
-        /// *(ours)* Where instances of more than one TP degree serve, earliest-completion
+        /// *(ours)* Once instances of more than one TP degree have joined, earliest-completion
         /// choice also prices this many further steps of the request at each instance's
         /// steady load (its residents' block steps plus their recompute steps spread over a
         /// block of this + 1 steps), so that a request does not go where its next step is

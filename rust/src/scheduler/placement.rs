@@ -12,7 +12,7 @@
 //! count there for the rest of the round. The least-loaded baseline keys an instance by its
 //! resident tokens plus the tokens assigned to it this round.
 //!
-//! *(ours)* Where instances of more than one degree serve, the key also prices the
+//! *(ours)* Once instances of more than one degree have joined, the key also prices the
 //! request's next [`Lookahead::steps`] steps at the instance's steady load: the tokens its residents bring to a step in the long run (with
 //! caching, each one's block plus its whole sequence spread over a block of `steps + 1`
 //! steps, one of them a recompute step; without, each one's sequence), plus the request's

@@ -232,7 +232,8 @@ impl Scheduler {
         let choice = config.policy.instance_choice;
         // Within one degree instances differ only in load, which the next step orders;
         // across degrees it misjudges them (see `placement`), and only there is the
-        // lookahead worth its weaker search bounds (3× a round's time at 1024 GPUs).
+        // lookahead worth its weaker search bounds (3× a round's time at 1024 GPUs). A
+        // degree group, once added, stays for the scheduler's life.
         let lookahead = Lookahead {
             steps: if groups.len() > 1 {
                 config.policy.lookahead_steps

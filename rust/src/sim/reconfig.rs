@@ -11,9 +11,9 @@
 //! model prices steps at planned batch sizes and ignores the transition; the rehearsal
 //! prices both as the scheduler will run them, so a plan whose gain does not survive its
 //! transition, or that only looks better to the planner, is not adopted. A cluster of more
-//! than `REHEARSAL_MAX_INSTANCES` is rehearsed on a slice of it: its first nodes holding
-//! that many instances, every k-th request of the window for the same share, and the
-//! plan's actions on those nodes.
+//! than `REHEARSAL_MAX_INSTANCES` instances is rehearsed on a slice of it: the nodes the
+//! plan touches first, then others, until they hold that many instances; every k-th request
+//! of the window for their share of the GPUs; and the plan's actions on them.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Instant;
@@ -253,7 +253,7 @@ impl Reconfig {
         };
         if self.rehearse && !transition.actions.is_empty() {
             let started = Instant::now();
-            let (nodes, share) = rehearsal_slice(sim);
+            let (nodes, share) = rehearsal_slice(sim, &self.node_gpus, &transition.actions);
             let requests = thinned(self.window(now - window_s), share);
             let on_slice: Vec<Action> = transition
                 .actions
@@ -298,23 +298,40 @@ fn action_node(action: &Action) -> u32 {
     }
 }
 
-/// The nodes a rehearsal replays (the first ones, holding at least
-/// `REHEARSAL_MAX_INSTANCES` instances, or all) and their share of the instances.
-fn rehearsal_slice(sim: &Simulation<'_>) -> (BTreeSet<u32>, f64) {
+/// The nodes a rehearsal replays and their share of the cluster's GPUs: every node while
+/// the cluster runs at most `REHEARSAL_MAX_INSTANCES` instances; beyond that, the nodes
+/// the plan's `actions` touch, then the others, in node order, until they hold that many
+/// (a transition's actions on one node launch on the GPUs its stops there free, so the
+/// actions of whole nodes are a transition of their own).
+fn rehearsal_slice(
+    sim: &Simulation<'_>,
+    node_gpus: &[u32],
+    actions: &[Action],
+) -> (BTreeSet<u32>, f64) {
+    let every: BTreeSet<u32> = (0..node_gpus.len() as u32).collect();
+    if sim.instances.len() <= REHEARSAL_MAX_INSTANCES {
+        return (every, 1.0);
+    }
     let mut per_node: BTreeMap<u32, usize> = BTreeMap::new();
     for i in sim.instances.values() {
         *per_node.entry(i.spec.node).or_default() += 1;
     }
-    let total: usize = per_node.values().sum();
+    let touched: BTreeSet<u32> = actions.iter().map(action_node).collect();
+    let rest = every.iter().filter(|n| !touched.contains(n));
     let (mut nodes, mut kept) = (BTreeSet::new(), 0);
-    for (node, count) in per_node {
+    for &node in touched.iter().chain(rest) {
         if kept >= REHEARSAL_MAX_INSTANCES {
             break;
         }
         nodes.insert(node);
-        kept += count;
+        kept += per_node.get(&node).copied().unwrap_or(0);
     }
-    (nodes, kept as f64 / total.max(1) as f64)
+    let gpus = |n: &u32| f64::from(node_gpus.get(*n as usize).copied().unwrap_or(0));
+    let total: f64 = every.iter().map(gpus).sum();
+    (
+        nodes.clone(),
+        nodes.iter().map(gpus).sum::<f64>() / total.max(1.0),
+    )
 }
 
 /// Every k-th of `requests` for a `share` of them (all for 1).
