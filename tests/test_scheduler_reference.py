@@ -31,6 +31,7 @@ capacity = st.tuples(
 
 # The reference implements DESIGN §5 as written: window load control, everyone admitted.
 # The forecast load control and deadline admission are checked by the core's own tests.
+# Instance choice keeps its lookahead (the `paper` preset's is 0), which mixed degrees use.
 _PAPER = Policy.dilaserve().window_load_control().without_admission()
 POLICIES = [
     _PAPER,
