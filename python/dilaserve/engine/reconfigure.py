@@ -79,7 +79,7 @@ def replan_options(engine: ManagedCluster) -> str:
     window = c.replan_interval_s or MEMBERSHIP_WINDOW_S
     options = threshold_options(c)
     planner = PlannerConfig(
-        slo_seconds=1.0,  # replaced at each plan: slo_scale x the window's isolated latency
+        slo_seconds=1.0,  # replaced at each plan: slo_scale x each class's isolated latency
         degrees=engine.planner_degrees,
         batch_tokens=DEFAULT_BATCH_TOKENS,
         caching=c.cache is not CacheMode.NONE,

@@ -197,25 +197,27 @@ impl Replanner {
                     threshold: 1.0,
                     tokens_per_step,
                 };
-                let alone = |arrivals: &[Arrival]| {
-                    mean_isolated_latency(
-                        profile,
-                        arrivals,
-                        top,
-                        config.caching,
-                        config.block_length,
-                    )
-                };
-                // Each class's own multiple, as each request's deadline is.
+                // Each class's own multiple, as each request's deadline is; the config's
+                // SLO, which no class then falls back on, is their rate-weighted mean.
+                let (mut weighted, mut rate) = (0.0, 0.0);
                 for class in &mut classes {
                     let typical = Arrival {
                         time: now,
                         prompt_tokens: class.prompt_tokens.round() as u64,
                         output_tokens: class.output_tokens.round().max(1.0) as u64,
                     };
-                    class.slo_seconds = Some(scale * alone(&[typical])?);
+                    let alone = mean_isolated_latency(
+                        profile,
+                        &[typical],
+                        top,
+                        config.caching,
+                        config.block_length,
+                    )?;
+                    class.slo_seconds = Some(scale * alone);
+                    weighted += class.rate * scale * alone;
+                    rate += class.rate;
                 }
-                scale * alone(&arrivals)?
+                weighted / rate
             }
         };
         let inputs = PlannerInputs {

@@ -328,10 +328,8 @@ fn rehearsal_slice(
     }
     let gpus = |n: &u32| f64::from(node_gpus.get(*n as usize).copied().unwrap_or(0));
     let total: f64 = every.iter().map(gpus).sum();
-    (
-        nodes.clone(),
-        nodes.iter().map(gpus).sum::<f64>() / total.max(1.0),
-    )
+    let share = nodes.iter().map(gpus).sum::<f64>() / total.max(1.0);
+    (nodes, share)
 }
 
 /// Every k-th of `requests` for a `share` of them (all for 1).

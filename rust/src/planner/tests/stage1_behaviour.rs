@@ -179,6 +179,20 @@ fn deployment_of(plan: &super::super::Plan) -> Deployment {
     }
 }
 
+/// Every GPU of the two 4-GPU nodes a TP-1 instance at `batch` tokens.
+fn all_tp1(batch: u64) -> Deployment {
+    Deployment {
+        instances: (0..8)
+            .map(|g| Instance {
+                node: g / 4,
+                degree: 1,
+                gpus: vec![(g % 4) as u32],
+            })
+            .collect(),
+        batch_tokens: [(1, batch)].into_iter().collect(),
+    }
+}
+
 #[test]
 fn a_plan_is_adopted_only_when_an_objective_improves_enough() {
     let profile = profile();
@@ -193,16 +207,7 @@ fn a_plan_is_adopted_only_when_an_objective_improves_enough() {
     assert!(again.transition.is_none());
     assert_eq!(again.instances_per_node, first.instances_per_node);
     // A poor deployment (every GPU a TP-1 at the largest batch) is replaced.
-    i.current = Some(Deployment {
-        instances: (0..8)
-            .map(|g| Instance {
-                node: g / 4,
-                degree: 1,
-                gpus: vec![(g % 4) as u32],
-            })
-            .collect(),
-        batch_tokens: [(1, 16384)].into_iter().collect(),
-    });
+    i.current = Some(all_tp1(16384));
     let replaced = plan(&i, &profile).unwrap();
     assert!(replaced.adopted, "{}", replaced.reason);
     let gains = replaced.gains.unwrap();
@@ -216,16 +221,7 @@ fn latency_slack_alone_adopts_a_plan_only_when_asked_to() {
     let profile = profile();
     let mut i = cluster(0.05);
     i.config.slo_seconds = 8.0;
-    i.current = Some(Deployment {
-        instances: (0..8)
-            .map(|g| Instance {
-                node: g / 4,
-                degree: 1,
-                gpus: vec![(g % 4) as u32],
-            })
-            .collect(),
-        batch_tokens: [(1, 1024)].into_iter().collect(),
-    });
+    i.current = Some(all_tp1(1024));
     let kept = plan(&i, &profile).unwrap();
     let gains = kept.gains.unwrap();
     assert!(gains.latency_slack >= 0.1, "{gains:?}");
