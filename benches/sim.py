@@ -15,10 +15,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import random
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from dilaserve.bench.report import plot
+from dilaserve.planner import FAST_DLLM_THRESHOLDS
+from dilaserve.predictor import progress as progress_model
 from dilaserve.profiles import SIMULATED_LLADA8B, llada8b_progress
 from dilaserve.scheduler import LatencyProfile
 from dilaserve.sim import (
@@ -49,10 +54,25 @@ def llada8b_setup(nodes: int, gpus: int, **overrides: object) -> ClusterSetup:
     )
 
 
-def sweep(setup, trace, policies, rates, duration):
+@dataclass(frozen=True)
+class Mix:
+    """A workload of the experiments: what its lines are called, how a rate becomes
+    requests, and the rates swept to find its knee."""
+
+    label: str
+    requests: Callable[[float], Workload]
+    rates: list[float]
+    #: Targets of the attainment gains over infaas and llumnix at the knee.
+    gain_targets: tuple[str, str] = (">= 21", ">= 30")
+
+    def line(self, name: str) -> str:
+        return f"sim16_{self.label}_{name}" if self.label else f"sim16_{name}"
+
+
+def sweep(setup, mix: Mix, policies, rates):
     out = {}
     for rate in rates:
-        workload = Workload.replay(trace, rate, duration)
+        workload = mix.requests(rate)
         for policy in policies:
             out[policy, rate] = simulate(setup, policy, workload, rate).summary()
     return out
@@ -66,37 +86,29 @@ def knee_of(results, rates) -> float:
     raise RuntimeError("the baselines never fell below 75 %: sweep higher rates")
 
 
-def paper_experiments(args) -> None:
-    trace = read_trace(AZURE_CONV)
-    setup = llada8b_setup(4, 4)
-    step = 2.0
-    rates = [step * i for i in range(8, 28)]
-    base = sweep(setup, trace, BASELINES, rates, args.duration)
-    knee = knee_of(base, rates)
-    at_knee = sweep(setup, trace, ("dilaserve", *ABLATIONS), [knee], args.duration)
+def knee_experiments(setup, mix: Mix, quick: bool) -> tuple[float, dict]:
+    """The paper's comparison on one workload (DESIGN §9): gains over the baselines at
+    their knee, the fixed-τ frontier from light load to 1.5 × the knee, goodput at twice
+    the knee. Returns the knee and every summary."""
+    base = sweep(setup, mix, BASELINES, mix.rates)
+    knee = knee_of(base, mix.rates)
+    at_knee = sweep(setup, mix, ("dilaserve", *ABLATIONS), [knee])
     ours, inf, llu = at_knee["dilaserve", knee], base["infaas", knee], base["llumnix", knee]
     for s in (ours, inf, llu, *(at_knee[a, knee] for a in ABLATIONS)):
-        print(json.dumps({"sim16_knee": s.to_dict()}))
-    emit("sim16_knee_rate", knee, "req/s", "infaas,llumnix < 75 % attainment")
-    emit(
-        "sim16_attainment_gain_pp_vs_infaas",
-        100 * (ours.attainment - inf.attainment),
-        "pp",
-        "infaas",
-        target=">= 21",
-        rate=knee,
-    )
-    emit(
-        "sim16_attainment_gain_pp_vs_llumnix",
-        100 * (ours.attainment - llu.attainment),
-        "pp",
-        "llumnix",
-        target=">= 30",
-        rate=knee,
-    )
+        print(json.dumps({mix.line("knee"): s.to_dict()}))
+    emit(mix.line("knee_rate"), knee, "req/s", "infaas,llumnix < 75 % attainment")
+    for baseline, target in zip(BASELINES, mix.gain_targets, strict=True):
+        emit(
+            mix.line(f"attainment_gain_pp_vs_{baseline}"),
+            100 * (ours.attainment - base[baseline, knee].attainment),
+            "pp",
+            baseline,
+            target=target,
+            rate=knee,
+        )
     best = min(inf.mean_latency_s, llu.mean_latency_s)
     emit(
-        "sim16_latency_ratio_vs_best_baseline",
+        mix.line("latency_ratio_vs_best_baseline"),
         ours.mean_latency_s / best,
         "ratio",
         "best of infaas, llumnix (mean latency)",
@@ -105,8 +117,8 @@ def paper_experiments(args) -> None:
     )
 
     # Never worse than any fixed τ at equal quality, from light load to 1.5 × the knee.
-    frontier_rates = [r for r in rates if r <= 1.5 * knee][:: 2 if args.quick else 1]
-    front = sweep(setup, trace, ("dilaserve", *FIXED), frontier_rates, args.duration)
+    frontier_rates = [r for r in mix.rates if r <= 1.5 * knee][:: 2 if quick else 1]
+    front = sweep(setup, mix, ("dilaserve", *FIXED), frontier_rates)
     gaps = []
     for rate in frontier_rates:
         mine = front["dilaserve", rate]
@@ -115,7 +127,7 @@ def paper_experiments(args) -> None:
             gaps.append((100 * (mine.attainment - max(r.attainment for r in rivals)), rate))
     worst, worst_rate = min(gaps)
     emit(
-        "sim16_worst_gap_pp_vs_fixed_frontier",
+        mix.line("worst_gap_pp_vs_fixed_frontier"),
         worst,
         "pp",
         "best fixed τ with mean τ >= ours, same instance choice",
@@ -123,17 +135,42 @@ def paper_experiments(args) -> None:
         rate=worst_rate,
     )
 
-    over = sweep(setup, trace, ("dilaserve",), [2 * knee], args.duration)["dilaserve", 2 * knee]
+    over = sweep(setup, mix, ("dilaserve",), [2 * knee])["dilaserve", 2 * knee]
     emit(
-        "sim16_overload_goodput_ratio",
+        mix.line("overload_goodput_ratio"),
         over.goodput_rps / ours.goodput_rps,
         "ratio",
         "goodput at the knee",
         target=">= 0.8",
         knee=knee,
     )
+    return knee, {**base, **at_knee, **front}
 
-    every = {**base, **at_knee, **front}
+
+def conversation(trace, duration: float) -> Mix:
+    """The Azure conversation trace, compressed in time to each rate."""
+    return Mix(
+        "", lambda rate: Workload.replay(trace, rate, duration), [2.0 * i for i in range(8, 28)]
+    )
+
+
+def prefill_heavy(duration: float) -> Mix:
+    """Code completion: prompts of 2,000–5,000 tokens, outputs of 8–64, bursty (Gamma,
+    CV 2) arrivals."""
+    lengths = prefill_heavy_lengths(2000, seed=5)
+    return Mix(
+        "prefill",
+        lambda rate: Workload.synthetic("gamma", rate, duration, lengths, seed=7),
+        [10.0 * i for i in range(2, 16)],
+        (">= 15", ">= 15"),
+    )
+
+
+def paper_experiments(args) -> None:
+    trace = read_trace(AZURE_CONV)
+    setup = llada8b_setup(4, 4)
+    conv = conversation(trace, args.duration)
+    knee, every = knee_experiments(setup, conv, args.quick)
     summaries = [s for (p, _), s in sorted(every.items()) if p in ("dilaserve", *BASELINES)]
     Path("docs").mkdir(exist_ok=True)
     plot(summaries, "docs/sim16-rate.png")
@@ -141,12 +178,28 @@ def paper_experiments(args) -> None:
     by_scale = []
     for scale in (1, 2, 3, 5, 7, 10):
         scaled = dataclasses.replace(setup, slo_scale=float(scale))
-        workload = Workload.replay(trace, knee, args.duration)
+        workload = conv.requests(knee)
         for policy in ("dilaserve", *BASELINES):
             s = simulate(scaled, policy, workload, knee).summary()
             by_scale.append(dataclasses.replace(s, rate=float(scale)))
             print(json.dumps({"sim16_slo_scale": scale, **s.to_dict()}))
     plot(by_scale, "docs/sim16-slo.png", x_label="SLO scale (× isolated latency)")
+
+    prefill = prefill_heavy(args.duration)
+    prefill_knee, prefill_every = knee_experiments(setup, prefill, args.quick)
+    light = sweep(setup, prefill, ("dilaserve",), [prefill_knee / 4])["dilaserve", prefill_knee / 4]
+    emit(
+        "sim16_prefill_light_attainment",
+        light.attainment,
+        "ratio",
+        "a quarter of the prefill-heavy knee",
+        target=">= 0.99",
+        rate=prefill_knee / 4,
+    )
+    plot(
+        [s for (p, _), s in sorted(prefill_every.items()) if p in ("dilaserve", *BASELINES)],
+        "docs/sim16-prefill-rate.png",
+    )
 
     lengths = [(p, o) for _, p, o in trace]
     day = Workload.synthetic("day", knee * 0.8, 7200.0, lengths, seed=3)
@@ -155,9 +208,132 @@ def paper_experiments(args) -> None:
         print(json.dumps({"sim16_day_2h": run.summary().to_dict(), **plan_counts(run)}))
     against_static(setup, day, knee * 0.8, "day", ">= +1", args.quick)
     # Short chat, then long prompts (a prefill-heavy mix), then chat again.
-    prefill = prefill_heavy_lengths(2000, seed=5)
-    shift = Workload.shifting(knee * 0.875, 3600.0, (lengths, prefill, lengths), seed=4)
+    shift = Workload.shifting(
+        knee * 0.875, 3600.0, (lengths, prefill_heavy_lengths(2000, seed=5), lengths), seed=4
+    )
     against_static(setup, shift, knee * 0.875, "shift", ">= +2", args.quick)
+
+    migration_tail(setup, trace, args.duration, args.quick)
+    online_prediction(setup, trace, args.duration)
+    ablation_table(
+        {
+            "conv 0.75x knee": (setup, conv.requests(0.75 * knee), 0.75 * knee),
+            "conv knee": (setup, conv.requests(knee), knee),
+            "conv 1.25x knee": (setup, conv.requests(1.25 * knee), 1.25 * knee),
+            "day": (setup, day, 0.8 * knee),
+            "prefill-heavy knee": (setup, prefill.requests(prefill_knee), prefill_knee),
+        }
+    )
+
+
+def migration_tail(setup, trace, duration: float, quick: bool) -> None:
+    """Migration's effect on tail latency under bursty load: conversation lengths with
+    Gamma (CV 2) arrivals, from half the knee's load up to it, P99 with and without."""
+    lengths = [(p, o) for _, p, o in trace]
+    rates = (16.0, 24.0, 32.0) if quick else (16.0, 20.0, 24.0, 28.0, 32.0)
+    ratios = {}
+    for rate in rates:
+        workload = Workload.synthetic("gamma", rate, duration, lengths, seed=7)
+        runs = {
+            p: simulate(setup, p, workload, rate).summary() for p in ("dilaserve", "no-migration")
+        }
+        ratios[rate] = runs["dilaserve"].p99_latency_s / runs["no-migration"].p99_latency_s
+        for s in runs.values():
+            print(json.dumps({"sim16_gamma": s.to_dict()}))
+    emit(
+        "sim16_migration_p99_ratio",
+        ratios[max(rates)],
+        "ratio",
+        "no-migration P99 at the highest swept load",
+        target="<= 0.9",
+        rate=max(rates),
+        by_rate={str(r): round(v, 4) for r, v in ratios.items()},
+    )
+
+
+def mixed_speed_tasks(setup) -> tuple[ClusterSetup, Callable[[Workload], Workload]]:
+    """Two kinds of request that decode at different speeds on one model (tasks, say):
+    half commit 1.5 × the model's mean tokens per step, half 0.6 ×, at every threshold.
+    The predictor knows the mean rates only; the online refresh sees each request's own."""
+    rates = [(t.threshold, t.tokens_per_step) for t in FAST_DLLM_THRESHOLDS] + [(1.0, 1.0)]
+    speeds = {"fast": 1.5, "slow": 0.6}
+    by_kind = {
+        kind: progress_model.rescaled(setup.progress, [(t, max(1.0, r * f)) for t, r in rates])
+        for kind, f in speeds.items()
+    }
+
+    def tagged(workload: Workload) -> Workload:
+        rng = random.Random(11)
+        kinds = [rng.choice(sorted(speeds)) for _ in range(len(workload))]
+        return dataclasses.replace(workload, progress_class=kinds)
+
+    return dataclasses.replace(setup, class_progress=by_kind), tagged
+
+
+def online_prediction(setup, trace, duration: float) -> None:
+    """The online predictor against one-shot prediction at the knee of requests of mixed
+    decoding speed, at SLO scales 2 and 3 (each scale's own knee)."""
+    mixed, tagged = mixed_speed_tasks(setup)
+    gaps = {}
+    for scale in (2.0, 3.0):
+        scaled = dataclasses.replace(mixed, slo_scale=scale)
+        mix = Mix(
+            f"mixed_speed_slo{scale:g}",
+            lambda rate: tagged(Workload.replay(trace, rate, duration)),
+            [2.0 * i for i in range(5, 20)],
+        )
+        knee = knee_of(sweep(scaled, mix, BASELINES, mix.rates), mix.rates)
+        runs = sweep(scaled, mix, ("dilaserve", "one-shot"), [knee])
+        for s in runs.values():
+            print(json.dumps({mix.line("knee"): s.to_dict(), "slo_scale": scale}))
+        gaps[scale] = (
+            100 * (runs["dilaserve", knee].attainment - runs["one-shot", knee].attainment),
+            knee,
+        )
+    emit(
+        "sim16_oneshot_attainment_gap_pp",
+        min(gap for gap, _ in gaps.values()),
+        "pp",
+        "one-shot prediction at the knee, the lower of SLO scales 2 and 3",
+        target=">= 3",
+        by_scale={f"{k:g}": {"gap_pp": round(g, 3), "knee": r} for k, (g, r) in gaps.items()},
+    )
+
+
+#: Each mechanism and the policy that runs DiLaServe without it.
+MECHANISMS = {
+    "load control": "no-load-control",
+    "online predictor": "one-shot",
+    "migration": "no-migration",
+    "reconfiguration": "no-reconfig",
+    "admission": "no-admission",
+}
+
+
+def ablation_table(columns: dict) -> None:
+    """DiLaServe with and without each mechanism on each workload column
+    (`{column: (setup, workload, rate)}`): one JSON line per cell, and per mechanism the
+    most it costs when removed (attainment points, P99 ratio)."""
+    costs = {m: [] for m in MECHANISMS}
+    for column, (setup, workload, rate) in columns.items():
+        ours = simulate(setup, "dilaserve", workload, rate).summary()
+        for mechanism, policy in MECHANISMS.items():
+            without = simulate(setup, policy, workload, rate).summary()
+            cost_pp = 100 * (ours.attainment - without.attainment)
+            p99_ratio = without.p99_latency_s / ours.p99_latency_s
+            costs[mechanism].append((cost_pp, p99_ratio, column))
+            cell = {"mechanism": mechanism, "column": column, "with": ours.to_dict()}
+            print(json.dumps({"sim16_ablation": cell | {"without": without.to_dict()}}))
+    for mechanism, cells in costs.items():
+        emit(
+            "sim16_ablation_cost_pp_" + mechanism.replace(" ", "_"),
+            max(c for c, _, _ in cells),
+            "pp",
+            f"dilaserve without {mechanism}, worst column",
+            target=">= 2 (or P99 ratio >= 1.1)",
+            column=max(cells)[2],
+            p99_ratio_max=round(max(r for _, r, _ in cells), 4),
+        )
 
 
 def plan_counts(run) -> dict:
