@@ -15,15 +15,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from dilaserve.bench.report import plot
-from dilaserve.planner import FAST_DLLM_THRESHOLDS
-from dilaserve.predictor import progress as progress_model
 from dilaserve.profiles import SIMULATED_LLADA8B, llada8b_progress
 from dilaserve.scheduler import LatencyProfile
 from dilaserve.sim import (
@@ -31,6 +28,7 @@ from dilaserve.sim import (
     Workload,
     prefill_heavy_lengths,
     simulate,
+    speed_classes,
     static_layouts,
 )
 from dilaserve.traces import AZURE_CONV, read_trace
@@ -251,35 +249,20 @@ def migration_tail(setup, trace, duration: float, quick: bool) -> None:
     )
 
 
-def mixed_speed_tasks(setup) -> tuple[ClusterSetup, Callable[[Workload], Workload]]:
-    """Two kinds of request that decode at different speeds on one model (tasks, say):
-    half commit 1.5 × the model's mean tokens per step, half 0.6 ×, at every threshold.
-    The predictor knows the mean rates only; the online refresh sees each request's own."""
-    rates = [(t.threshold, t.tokens_per_step) for t in FAST_DLLM_THRESHOLDS] + [(1.0, 1.0)]
-    speeds = {"fast": 1.5, "slow": 0.6}
-    by_kind = {
-        kind: progress_model.rescaled(setup.progress, [(t, max(1.0, r * f)) for t, r in rates])
-        for kind, f in speeds.items()
-    }
-
-    def tagged(workload: Workload) -> Workload:
-        rng = random.Random(11)
-        kinds = [rng.choice(sorted(speeds)) for _ in range(len(workload))]
-        return dataclasses.replace(workload, progress_class=kinds)
-
-    return dataclasses.replace(setup, class_progress=by_kind), tagged
-
-
 def online_prediction(setup, trace, duration: float) -> None:
     """The online predictor against one-shot prediction at the knee of requests of mixed
-    decoding speed, at SLO scales 2 and 3 (each scale's own knee)."""
-    mixed, tagged = mixed_speed_tasks(setup)
+    decoding speed, at SLO scales 2 and 3 (each scale's own knee): half the requests commit
+    1.5 × the model's mean tokens per step, half 0.6 ×. The predictor knows the mean rates
+    only; the online refresh sees each request's own progress."""
+    speeds = {"fast": 1.5, "slow": 0.6}
+    mixed = dataclasses.replace(setup, class_progress=speed_classes(setup.progress, speeds))
+    kinds = sorted(speeds)
     gaps = {}
     for scale in (2.0, 3.0):
         scaled = dataclasses.replace(mixed, slo_scale=scale)
         mix = Mix(
             f"mixed_speed_slo{scale:g}",
-            lambda rate: tagged(Workload.replay(trace, rate, duration)),
+            lambda rate: Workload.replay(trace, rate, duration).with_classes(kinds, seed=11),
             [2.0 * i for i in range(5, 20)],
         )
         knee = knee_of(sweep(scaled, mix, BASELINES, mix.rates), mix.rates)

@@ -17,6 +17,7 @@ FACTOR_WEIGHT = 0.2
 FACTOR_CLAMP = 4.0
 IDLE_RELAX = 0.9
 BIG = 1 << 62  # an unbounded room
+SPEED_PRIOR_TOKENS = 32.0  # MeanRatePredictor::SPEED_PRIOR_TOKENS
 FAST_DLLM_GSM8K = ((0.5, 7.01), (0.6, 6.17), (0.7, 5.12), (0.8, 4.24), (0.9, 3.25), (1.0, 1.0))
 
 
@@ -113,14 +114,26 @@ class MeanRatePredictor:
         w = (tau - taus[lo]) / (taus[hi] - taus[lo])
         return rates[lo] + w * (rates[hi] - rates[lo])
 
+    def speed(self, r: Request) -> float:
+        if r.steps_done == 0:
+            return 1.0
+        tau_sum = 0.0
+        for tau in r.taus:
+            tau_sum += tau
+        block = float(r.block_length)
+        per_step = block / math.ceil(block / self.rate(tau_sum / r.steps_done))
+        prior = SPEED_PRIOR_TOKENS
+        return (r.unmasked + prior) / (r.steps_done * per_step + prior)
+
     def predict(self, r: Request, thresholds: list[float]) -> list[list[float]]:
         masked = float(r.block_length - r.in_block)
         block = float(r.block_length)
         future = float(max(r.output_len // r.block_length - (r.current_block + 1), 0))
         lost = 1.0 if r.needs_recompute() else 0.0
+        speed = self.speed(r)
         out = []
         for tau in thresholds:
-            rate = self.rate(tau)
+            rate = max(self.rate(tau) * speed, 1.0)
             current = float(math.ceil(masked / rate))
             per_block = float(math.ceil(block / rate))
             out.append([(current - lost) + future * (per_block - 1.0), future + lost])

@@ -27,7 +27,7 @@ from dilaserve.planner import (
     ThresholdOption,
     mean_isolated_latency,
 )
-from dilaserve.predictor.progress import mean_rates
+from dilaserve.predictor.progress import mean_rates, rescaled
 from dilaserve.scheduler import (
     PRESETS,
     SCHEDULER_SETTINGS,
@@ -118,6 +118,11 @@ class Workload:
             duration_s,
         )
 
+    def with_classes(self, kinds: Sequence[str], seed: int = 0) -> Workload:
+        """The same requests, each given one of `kinds` at random (its `progress_class`)."""
+        rng = random.Random(seed)
+        return dataclasses.replace(self, progress_class=[rng.choice(kinds) for _ in self.arrival])
+
     @classmethod
     def replay(
         cls, trace: Sequence[tuple[float, int, int]], rate: float, duration_s: float
@@ -131,6 +136,16 @@ class Workload:
             np.asarray([max(1, r[2]) for r in rows], dtype=np.uint32),
             duration_s,
         )
+
+
+def speed_classes(progress: dict, speeds: Mapping[str, float]) -> dict[str, dict]:
+    """Progress models of kinds of request that decode at `speeds` × `progress`'s mean
+    tokens per step at every threshold (tasks of one model differ so), for
+    `ClusterSetup.class_progress`."""
+    return {
+        kind: rescaled(progress, [(t, max(1.0, r * speed)) for t, r in mean_rates(progress)])
+        for kind, speed in speeds.items()
+    }
 
 
 def prefill_heavy_lengths(n: int, seed: int = 0) -> list[tuple[int, int]]:

@@ -115,6 +115,8 @@ fn view_of(row: usize, v: &[f64]) -> PyResult<RequestView> {
         output_len,
         block_length,
         steps_done: c(3)?,
+        // Packed rows carry no threshold history.
+        mean_tau_done: None,
         block_steps: c(4)?,
         unmasked,
         unmasked_in_block,

@@ -34,6 +34,7 @@ fn view(steps_done: u32, block_steps: u32, unmasked_in_block: u32, block: u32) -
         output_len: 128,
         block_length: 32,
         steps_done,
+        mean_tau_done: None,
         block_steps,
         unmasked: block * 32 + unmasked_in_block,
         unmasked_in_block,

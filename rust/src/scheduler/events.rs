@@ -258,7 +258,7 @@ impl Scheduler {
             if r.next_kind == StepKind::Recompute {
                 history.recompute_steps += 1;
             }
-            match self.commit(pos, result.committed, result.finished) {
+            match self.commit(pos, result.committed, result.finished, tau) {
                 Commit::Finished => {
                     let r = *self.requests.req(pos);
                     if self.reservation.is_some_and(|v| v.handle == r.handle) {
@@ -380,13 +380,14 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Advances one request by a committed step.
-    fn commit(&mut self, pos: u32, committed: u32, eos: bool) -> Commit {
+    /// Advances one request by a step run at `tau` that committed `committed` tokens.
+    fn commit(&mut self, pos: u32, committed: u32, eos: bool, tau: f64) -> Commit {
         let caching = self.config.caching;
         self.requests.set_ready(pos, true);
         let r = self.requests.req_mut(pos);
         let was_full = r.needs_recompute();
         r.steps_done += 1;
+        r.tau_sum += tau;
         r.block_steps += 1;
         r.unmasked += committed;
         r.unmasked_in_block += committed;

@@ -16,6 +16,8 @@ pub struct RequestView {
     pub output_len: u32,
     pub block_length: u32,
     pub steps_done: u32,
+    /// Mean threshold of the steps run so far (None before the first, or not known).
+    pub mean_tau_done: Option<f64>,
     /// Steps run in the current block (0: the next step opens it).
     pub block_steps: u32,
     pub unmasked: u32,
@@ -138,7 +140,10 @@ pub fn check_predictions(
 }
 
 /// Default predictor: each threshold commits a fixed mean number of tokens per step,
-/// so a block with `m` masked tokens needs `ceil(m / rate)` more steps.
+/// so a block with `m` masked tokens needs `ceil(m / rate)` more steps. *(ours)* Once a
+/// request has run steps, the rates are scaled by its own speed so far
+/// ([`MeanRatePredictor::speed`]): kinds of request (tasks) decode at different speeds on
+/// one model, and a refreshed prediction should know which kind it is looking at.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MeanRatePredictor {
     taus: Vec<f64>,
@@ -204,9 +209,28 @@ impl Default for MeanRatePredictor {
 }
 
 impl MeanRatePredictor {
+    /// Tokens of evidence the mean rates count for against a request's own record: its
+    /// speed estimate moves halfway to what it has shown once it has unmasked a block of
+    /// 32 tokens.
+    pub const SPEED_PRIOR_TOKENS: f64 = 32.0;
+
     /// Steps a whole block of `block` positions takes at `rate` tokens per step.
     fn block_steps(block: u32, rate: f64) -> f64 {
         (f64::from(block) / rate).ceil()
+    }
+
+    /// *(ours)* How fast `r` has decoded against the rates: the tokens it unmasked over
+    /// those its steps would have at the rate of their mean threshold (a block's last
+    /// step commits only what is left, so a step counts for `block / steps per block`),
+    /// both with [`Self::SPEED_PRIOR_TOKENS`] added; 1 before its first step.
+    pub fn speed(&self, r: &RequestView) -> f64 {
+        let Some(tau) = r.mean_tau_done.filter(|_| r.steps_done > 0) else {
+            return 1.0;
+        };
+        let block = f64::from(r.block_length);
+        let per_step = block / Self::block_steps(r.block_length, self.rate(tau));
+        let expected = f64::from(r.steps_done) * per_step;
+        (f64::from(r.unmasked) + Self::SPEED_PRIOR_TOKENS) / (expected + Self::SPEED_PRIOR_TOKENS)
     }
 
     /// Steps left for request `r` committing `rate` tokens per step, `per_block` a block.
@@ -229,15 +253,17 @@ impl StepPredictor for MeanRatePredictor {
         thresholds: &[f64],
         out: &mut [StepsLeft],
     ) -> Result<(), PredictError> {
+        let speed = self.speed(r);
         for (slot, &tau) in out.iter_mut().zip(thresholds) {
-            let rate = self.rate(tau);
+            let rate = (self.rate(tau) * speed).max(1.0);
             *slot = Self::steps_left(r, rate, Self::block_steps(r.block_length, rate));
         }
         Ok(())
     }
 
     /// The rates depend only on the thresholds, and a block's steps only on them and the
-    /// block length: computed once per batch (and block length), not per request.
+    /// block length: computed once per batch (and block length), not per request, for
+    /// requests at the mean speed (before their first step).
     fn predict_batch(
         &self,
         requests: &[RequestView],
@@ -257,6 +283,10 @@ impl StepPredictor for MeanRatePredictor {
         let per_block = &mut per_block[..k];
         let mut block = None;
         for (request, row) in requests.iter().zip(out.chunks_exact_mut(k)) {
+            if self.speed(request) != 1.0 {
+                self.predict(request, thresholds, row)?;
+                continue;
+            }
             if block != Some(request.block_length) {
                 block = Some(request.block_length);
                 for (steps, &rate) in per_block.iter_mut().zip(rates.iter()) {
@@ -282,6 +312,7 @@ mod tests {
             output_len: 128,
             block_length: 32,
             steps_done: 0,
+            mean_tau_done: None,
             block_steps: 0,
             unmasked: block * 32 + in_block,
             unmasked_in_block: in_block,
@@ -289,6 +320,44 @@ mod tests {
             needs_recompute,
             confidence: None,
         }
+    }
+
+    #[test]
+    fn a_request_slower_than_the_rates_is_predicted_more_steps() {
+        let p = MeanRatePredictor::default();
+        // Two blocks done in 20 steps at τ 0.9 (10 steps a block at 3.25 tokens a step):
+        // the mean speed, so the rates stand.
+        let on_pace = RequestView {
+            steps_done: 20,
+            mean_tau_done: Some(0.9),
+            ..view(0, 2, true)
+        };
+        assert!((p.speed(&on_pace) - 1.0).abs() < 1e-12);
+        // The same two blocks in 40 steps: half the speed, shrunk towards the rates by a
+        // block's worth of tokens, (64 + 32) / (128 + 32).
+        let slow = RequestView {
+            steps_done: 40,
+            ..on_pace
+        };
+        assert!((p.speed(&slow) - 0.6).abs() < 1e-12);
+        let fresh = view(0, 2, true);
+        assert_eq!(p.speed(&fresh), 1.0);
+        let taus = [0.5, 0.9];
+        let (mut a, mut b) = ([StepsLeft::default(); 2], [StepsLeft::default(); 2]);
+        p.predict(&fresh, &taus, &mut a).unwrap();
+        p.predict(&slow, &taus, &mut b).unwrap();
+        for (fresh, slow) in a.iter().zip(&b) {
+            assert!(slow.cache > fresh.cache, "{slow:?} vs {fresh:?}");
+            assert_eq!(slow.recompute, fresh.recompute);
+        }
+        // Never slower than a token a step.
+        let crawling = RequestView {
+            steps_done: 1000,
+            ..on_pace
+        };
+        p.predict(&crawling, &[1.0], &mut a[..1]).unwrap();
+        // This block's 32 steps (its first recomputes) and the last block's 32.
+        assert_eq!((a[0].cache, a[0].recompute), (62.0, 2.0));
     }
 
     #[test]
@@ -367,6 +436,12 @@ mod tests {
                 } else {
                     v
                 }
+            })
+            // Every other one has run steps at its own speed.
+            .map(|v| RequestView {
+                steps_done: v.unmasked / 4 * (v.current_block % 2),
+                mean_tau_done: Some(0.7),
+                ..v
             })
             .collect();
         // Within the stack-sized batch path and past it.

@@ -68,6 +68,8 @@ pub(crate) struct Request {
     pub output_len: u32,
     pub block_length: u32,
     pub steps_done: u32,
+    /// Sum of the thresholds of the steps run so far.
+    pub tau_sum: f64,
     /// Steps run in the current block (0: the next step opens it).
     pub block_steps: u32,
     pub unmasked: u32,
@@ -145,6 +147,7 @@ impl Request {
             output_len: self.output_len,
             block_length: self.block_length,
             steps_done: self.steps_done,
+            mean_tau_done: (self.steps_done > 0).then(|| self.tau_sum / f64::from(self.steps_done)),
             block_steps: self.block_steps,
             unmasked: self.unmasked,
             unmasked_in_block: self.unmasked_in_block,
@@ -217,6 +220,7 @@ impl Request {
             output_len,
             block_length,
             steps_done: 0,
+            tau_sum: 0.0,
             block_steps: 0,
             unmasked: 0,
             unmasked_in_block: 0,

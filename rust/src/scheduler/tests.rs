@@ -416,11 +416,13 @@ fn one_shot_prediction_only_counts_steps_off() {
             recompute: 1.0
         }
     );
-    // The online predictor sees only 2 masked tokens left in the block.
+    // The online predictor sees only 2 masked tokens left in the block, and a request
+    // that committed 30 tokens where the rates expected 3.2: at (30 + 32) / (3.2 + 32) =
+    // 1.76 × the rate the next block takes 6 steps, not 10.
     assert_eq!(
         online.request(1).unwrap().predictions[4],
         StepsLeft {
-            cache: 10.0,
+            cache: 6.0,
             recompute: 1.0
         }
     );
