@@ -429,6 +429,18 @@ class Placement:
         leaf = (self.start(inst), inst.factor, inst.base() + rnd, 0, 0, 0, self.steady(slot))
         return self.look.key(leaf, n, 0, costs)
 
+    def move_pays(self, home: int, to: int, n: int, seq: int, policy, groups) -> bool:
+        horizon = Lookahead(policy.lookahead_steps, self.look.block, self.look.caching)
+
+        def key(slot: int, own: int) -> float:
+            inst = self.insts[slot]
+            q_reqs, q_seq = self.queued[slot]
+            steady = horizon.per_step(inst.residents + q_reqs, inst.resident_tokens + q_seq)
+            leaf = (self.start(inst), inst.factor, inst.base() + self.tokens[slot], 0, 0, 0, steady)
+            return horizon.key(leaf, n, own, groups[inst.group]) - self.now
+
+        return key(to, horizon.per_step(1, seq)) < key(home, 0) * (1.0 - policy.migration_gain)
+
     def add_free(self, slot: int, n: int, new_resident: int | None) -> None:
         self.tokens[slot] += n
         if self.insts[slot].busy:
@@ -496,6 +508,7 @@ class ReferenceScheduler:
         self.least_loaded = p.instance_choice == "least_loaded"
         self.look = Lookahead(p.lookahead_steps, config.block_length, config.caching)
         self.migration = p.migration
+        self.policy = p
         self.every = p.predict_every if p.prediction == "online" else None
         self.predictor = MeanRatePredictor(config.predictor_rates or FAST_DLLM_GSM8K)
         self.requests: dict[int, Request] = {}
@@ -789,7 +802,14 @@ class ReferenceScheduler:
             target = None if best is None else best[1]
             if home is not None and target != home:
                 home_key = p.home_key(home, n, seq, groups[insts[home].group])
-                if home_key is not None and (best is None or home_key <= best[0]):
+                if home_key is not None and (
+                    best is None
+                    or home_key <= best[0]
+                    or (
+                        not self.least_loaded
+                        and not p.move_pays(home, best[1], n, seq, self.policy, groups)
+                    )
+                ):
                     target = home
             if target is None:
                 reason = self._wait_reason(p, r)

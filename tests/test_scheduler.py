@@ -140,11 +140,17 @@ def test_policy_presets_compose() -> None:
         instance_choice="least_loaded",
         lookahead_steps=0,
         migration=True,
+        migration_gain=0.0,
         load_model="window",
         admission="off",
     )
     q = Policy.dilaserve().window_load_control().without_admission().next_step_choice()
-    assert (q.load_model, q.admission, q.lookahead_steps) == ("window", "off", 0)
+    assert (q.load_model, q.admission, q.lookahead_steps, q.migration_gain) == (
+        "window",
+        "off",
+        0,
+        0,
+    )
     assert q == Policy.named("paper")
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sched_profiles import make_profile
@@ -232,17 +233,22 @@ def test_rust_matches_reference(
     run.round()
 
 
-def test_long_trace_matches_reference() -> None:
+@pytest.mark.parametrize(
+    "layout",
+    [
+        # Mixed degrees: instance choice prices the lookahead.
+        ((1, NO_LIMITS), (2, (2500, None, None)), (4, (None, 6, 1500)), (1, (900, 3, None))),
+        # One degree: next-step keys, and a move must pay over the lookahead's horizon.
+        ((1, NO_LIMITS), (1, (2500, None, None)), (1, (None, 6, 1500)), (1, (900, 3, None))),
+    ],
+    ids=["mixed", "tp1"],
+)
+def test_long_trace_matches_reference(layout) -> None:
     """A busy deterministic trace: hundreds of rounds with migrations, drains and removals."""
     profile = make_profile()
     config = SchedulerConfig(max_batch_tokens=3000, slo_window_s=2.0, policy=_PAPER)
     run = Lockstep(Scheduler(profile, config), ReferenceScheduler(profile, config), True, 3000)
-    for tp, cap in (
-        (1, NO_LIMITS),
-        (2, (2500, None, None)),
-        (4, (None, 6, 1500)),
-        (1, (900, 3, None)),
-    ):
+    for tp, cap in layout:
         run.apply(("add", tp, cap))
     for step in range(300):
         run.apply(("arrive", 20 + 37 * step % 500, 40 + 13 * step % 200, 1.0, step % 3, 31, 0.0))
@@ -254,7 +260,7 @@ def test_long_trace_matches_reference() -> None:
             run.apply(("drain", 0))
         if step == 150:
             run.apply(("remove", 1))
-            run.apply(("add", 2, (1500, None, None)))
+            run.apply(("add", layout[1][0], (1500, None, None)))
         if step % 40 == 7:
             run.apply(("abort", step))
         if step % 50 == 9:

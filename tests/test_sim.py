@@ -27,6 +27,7 @@ from dilaserve.sim import (
     static_layouts,
 )
 from dilaserve.tiny import default_model_dir
+from dilaserve.traces import AZURE_CONV, read_trace
 
 TRACES = Path(__file__).parent / "predictor" / "data" / "tiny_traces.parquet"
 ACCURACY = {0.5: 0.8, 0.6: 0.88, 0.7: 0.95, 0.8: 0.98, 0.9: 0.99, 1.0: 0.99}
@@ -234,3 +235,19 @@ def test_online_prediction_follows_each_requests_speed(setup: ClusterSetup) -> N
         p: simulate(mixed, p, workload, 6.0).summary().attainment for p in ("dilaserve", "one-shot")
     }
     assert met["dilaserve"] >= met["one-shot"] + 0.04, met
+
+
+def test_migration_costs_no_deadlines_near_capacity_and_shortens_the_tail(
+    setup: ClusterSetup,
+) -> None:
+    # 8 TP-1 instances at 95 % attainment. Moved wherever the next step finished first,
+    # requests leaving a block flocked to the instance whose next batch was small: with
+    # migration 94.5 % met (P99 8.74 s), without it 95.7 % (8.54 s).
+    cluster = dataclasses.replace(setup, node_gpus=(4, 4), layout=(1,) * 8)
+    workload = Workload.replay(read_trace(AZURE_CONV), 16.0, 120.0)
+    runs = {
+        p: simulate(cluster, p, workload, 16.0).summary() for p in ("dilaserve", "no-migration")
+    }
+    ours, still = runs["dilaserve"], runs["no-migration"]
+    assert ours.attainment >= still.attainment - 0.005, (ours, still)
+    assert ours.p99_latency_s <= still.p99_latency_s, (ours, still)

@@ -161,7 +161,7 @@ class _PolicyPresets:
 
     def next_step_choice(self) -> Policy:
         """Instance choice by the next step alone (DESIGN §6 as written)."""
-        return dataclasses.replace(self, lookahead_steps=0)  # type: ignore[type-var]
+        return dataclasses.replace(self, lookahead_steps=0, migration_gain=0.0)  # type: ignore[type-var]
 
     def without_migration(self) -> Policy:
         return dataclasses.replace(self, migration=False)  # type: ignore[type-var]

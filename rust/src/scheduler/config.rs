@@ -111,11 +111,19 @@ settings! {
         /// steady load (its residents' block steps plus their recompute steps spread over a
         /// block of this + 1 steps), so that a request does not go where its next step is
         /// quick and every later one crowded (a TP-4 instance beside idle TP-1s); 0 prices
-        /// the next step alone (DESIGN §6 as written).
+        /// the next step alone (DESIGN §6 as written). With one degree, it is the horizon a
+        /// request's move must pay over (`migration_gain`).
         pub lookahead_steps: u32 = 9,
         /// Let requests change instance between steps (with caching: before recompute
         /// steps); requests on a draining or removed instance move regardless.
         pub migration: bool = true,
+        /// *(ours)* Under earliest-completion choice a request leaves its home only if the
+        /// move finishes its next step and `lookahead_steps` further ones (at both
+        /// instances' steady loads) at least this share sooner than staying. Priced by the
+        /// next step alone, requests leaving a block flocked to whichever instance's next
+        /// batch was small and crowded every later step there: at the 16-GPU knee
+        /// migrating met fewer deadlines than staying put. In [0, 1).
+        pub migration_gain: f64 = 0.1,
         /// Step predictions refreshed as requests run (online) or made once (one_shot).
         pub prediction: Prediction = Prediction::Online,
         /// With online prediction, re-run the predictor every this many steps of a request:
@@ -240,6 +248,7 @@ impl Policy {
             instance_choice: InstanceChoice::LeastLoaded,
             lookahead_steps: 0,
             migration: false,
+            migration_gain: 0.0,
             prediction: Prediction::Online,
             predict_every: 1,
         }
@@ -269,10 +278,12 @@ impl Policy {
         }
     }
 
-    /// Earliest-completion choice by the next step alone (DESIGN §6 as written).
+    /// Earliest-completion choice by the next step alone (DESIGN §6 as written): any
+    /// instance that finishes it sooner draws a request away from its home.
     pub fn next_step_choice(self) -> Self {
         Self {
             lookahead_steps: 0,
+            migration_gain: 0.0,
             ..self
         }
     }
@@ -324,6 +335,12 @@ impl Policy {
             return Err(SchedError::Config(
                 "prediction update interval must be at least 1 step".into(),
             ));
+        }
+        if !(0.0..1.0).contains(&self.migration_gain) {
+            return Err(SchedError::Config(format!(
+                "migration gain must be in [0, 1), got {}",
+                self.migration_gain
+            )));
         }
         Ok(())
     }

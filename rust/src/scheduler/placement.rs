@@ -26,7 +26,7 @@
 //! instance (see `reservation`) is closed to every free request but its reserver.
 
 use super::choice_tree::{beats, completion_key, Best, ChoiceTree, Leaf, Query};
-use super::config::InstanceChoice;
+use super::config::{InstanceChoice, Policy};
 use super::cost::DegreeCosts;
 use super::instance::Instance;
 
@@ -58,6 +58,9 @@ impl Lookahead {
         }
     }
 }
+
+/// An instance as a request's move is priced: its slot, state and degree's costs.
+pub(crate) type Stop<'a> = (u32, &'a Instance, &'a DegreeCosts);
 
 /// The instance a free request would go to, with its comparison key.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -146,10 +149,10 @@ impl Placement {
     }
 
     /// Tokens instance `slot`'s residents, those queued for it included, bring to a step
-    /// in the long run.
-    fn steady(&self, slot: u32, inst: &Instance) -> u64 {
+    /// in the long run (recompute steps spread over `horizon`).
+    fn steady(&self, slot: u32, inst: &Instance, horizon: Lookahead) -> u64 {
         let (reqs, seq) = self.queued[slot as usize];
-        self.lookahead.per_step(
+        horizon.per_step(
             u64::from(inst.residents) + u64::from(reqs),
             inst.resident_tokens + seq,
         )
@@ -217,7 +220,7 @@ impl Placement {
                 c.saturating_sub(used).min(i64::MAX as u64) as i64
             })
         };
-        let steady = self.steady(slot, inst);
+        let steady = self.steady(slot, inst, self.lookahead);
         Leaf {
             start,
             factor,
@@ -327,19 +330,47 @@ impl Placement {
                 (inst.resident_tokens.saturating_sub(seq) + round) as f64
             }
             _ => {
-                let leaf = Leaf {
-                    start: self.start(inst),
-                    factor: inst.factor,
-                    tokens: self.step_tokens(slot, inst),
-                    steady: self.steady(slot, inst),
-                    ..Leaf::CLOSED
-                };
+                let leaf = self.priced_leaf(slot, inst, self.lookahead);
                 completion_key(&leaf, n, self.lookahead.steps, 0, costs)
             }
         })
     }
 
     /// Whether `best` improves on by putting the request on `slot` with `key`.
+    /// *(ours)* Whether a request of `seq` tokens (next step `n` tokens) gains by leaving
+    /// its `home` for `to`: whether `to` finishes its next step and `steps` further ones,
+    /// priced at both instances' steady loads (its own share added on `to`), at least
+    /// `gain` of the time from `now` sooner than `home` does.
+    pub fn move_pays(
+        &self,
+        home: Stop<'_>,
+        to: Stop<'_>,
+        n: u64,
+        seq: u64,
+        policy: &Policy,
+    ) -> bool {
+        let steps = policy.lookahead_steps;
+        let horizon = Lookahead {
+            steps,
+            ..self.lookahead
+        };
+        let key = |(slot, inst, costs): Stop<'_>, own: u64| {
+            completion_key(&self.priced_leaf(slot, inst, horizon), n, steps, own, costs) - self.now
+        };
+        key(to, horizon.per_step(1, seq)) < key(home, 0) * (1.0 - policy.migration_gain)
+    }
+
+    /// The pricing fields of `slot`'s leaf with its steady load over `horizon`.
+    fn priced_leaf(&self, slot: u32, inst: &Instance, horizon: Lookahead) -> Leaf {
+        Leaf {
+            start: self.start(inst),
+            factor: inst.factor,
+            tokens: self.step_tokens(slot, inst),
+            steady: self.steady(slot, inst, horizon),
+            ..Leaf::CLOSED
+        }
+    }
+
     pub fn better(key: f64, slot: u32, best: Option<Candidate>) -> bool {
         beats(key, slot, best.map(|c| (c.key, c.slot)))
     }

@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use super::config::{LoadModel, ThresholdPolicy};
+use super::config::{InstanceChoice, LoadModel, ThresholdPolicy};
 use super::cost::{DegreeCosts, Limits};
 use super::decisions::{
     Batch, BatchEntry, Decisions, Migration, MigrationReason, ThresholdReason, ThresholdWhy,
@@ -339,9 +339,25 @@ impl Scheduler {
                 Some(h) if best.is_some_and(|b| b.slot == h) => Some(h),
                 Some(h) => {
                     let inst = &instances.slots[h as usize];
-                    match placement.home_key(h, inst, n, seq, &groups[inst.group]) {
-                        Some(key) if best.is_none_or(|b| key <= b.key) => Some(h),
-                        _ => best.map(|b| b.slot),
+                    let home = (h, inst, &groups[inst.group]);
+                    let stays = match (placement.home_key(h, inst, n, seq, home.2), best) {
+                        (None, _) => false,
+                        (Some(_), None) => true,
+                        // Earliest completion moves only what wins the next step and also
+                        // pays over the lookahead's horizon.
+                        (Some(key), Some(b)) => {
+                            key <= b.key
+                                || choice == InstanceChoice::EarliestCompletion && {
+                                    let to = &instances.slots[b.slot as usize];
+                                    let to = (b.slot, to, &groups[to.group]);
+                                    !placement.move_pays(home, to, n, seq, &config.policy)
+                                }
+                        }
+                    };
+                    if stays {
+                        Some(h)
+                    } else {
+                        best.map(|b| b.slot)
                     }
                 }
                 None => best.map(|b| b.slot),
