@@ -1,6 +1,8 @@
 """The paper's experiments in the simulator (DESIGN §9): a 16-GPU cluster (4 nodes × 4)
-serving the simulated LLaDA-8B/H100 profile on the conv trace, every policy on the live
-scheduler; then scale (one million requests on 1024 GPUs).
+serving the simulated LLaDA-8B/H100 profile on the conv trace and on a prefill-heavy mix,
+every policy on the live scheduler; reconfiguration against every static layout;
+migration's tail under bursts; the online predictor on requests of mixed speed; the
+ablation table; then scale (one million requests on 1024 GPUs).
 
 Progress: dilaserve-tiny's recorded per-step commits, pooled per threshold and rescaled to
 Fast-dLLM's LLaDA-8B rates (DESIGN §9); accuracy per threshold: dilaserve-tiny's. SLO:
@@ -211,8 +213,8 @@ def paper_experiments(args) -> None:
     )
     against_static(setup, shift, knee * 0.875, "shift", ">= +2", args.quick)
 
-    migration_tail(setup, trace, args.duration, args.quick)
-    online_prediction(setup, trace, args.duration)
+    bursty = migration_tail(setup, trace, knee, args.duration, args.quick)
+    mixed_speed = online_prediction(setup, trace, args.duration)
     ablation_table(
         {
             "conv 0.75x knee": (setup, conv.requests(0.75 * knee), 0.75 * knee),
@@ -220,18 +222,24 @@ def paper_experiments(args) -> None:
             "conv 1.25x knee": (setup, conv.requests(1.25 * knee), 1.25 * knee),
             "day": (setup, day, 0.8 * knee),
             "prefill-heavy knee": (setup, prefill.requests(prefill_knee), prefill_knee),
+            # Where migration and the online predictor have something to do.
+            "conv Gamma bursts 0.5x knee": bursty,
+            "mixed-speed tasks, SLO 2x, knee": mixed_speed,
         }
     )
 
 
-def migration_tail(setup, trace, duration: float, quick: bool) -> None:
+def migration_tail(setup, trace, knee: float, duration: float, quick: bool) -> tuple:
     """Migration's effect on tail latency under bursty load: conversation lengths with
-    Gamma (CV 2) arrivals, from half the knee's load up to it, P99 with and without."""
+    Gamma (CV 2) arrivals, from half the knee's load up to it, P99 with and without.
+    Returns the ablation table's column at the lightest load."""
     lengths = [(p, o) for _, p, o in trace]
-    rates = (16.0, 24.0, 32.0) if quick else (16.0, 20.0, 24.0, 28.0, 32.0)
+    shares = (0.5, 0.75, 1.0) if quick else (0.5, 0.625, 0.75, 0.875, 1.0)
+    rates = [share * knee for share in shares]
     ratios = {}
+    workloads = {}
     for rate in rates:
-        workload = Workload.synthetic("gamma", rate, duration, lengths, seed=7)
+        workload = workloads[rate] = Workload.synthetic("gamma", rate, duration, lengths, seed=7)
         runs = {
             p: simulate(setup, p, workload, rate).summary() for p in ("dilaserve", "no-migration")
         }
@@ -247,17 +255,19 @@ def migration_tail(setup, trace, duration: float, quick: bool) -> None:
         rate=max(rates),
         by_rate={str(r): round(v, 4) for r, v in ratios.items()},
     )
+    return setup, workloads[min(rates)], min(rates)
 
 
-def online_prediction(setup, trace, duration: float) -> None:
+def online_prediction(setup, trace, duration: float) -> tuple:
     """The online predictor against one-shot prediction at the knee of requests of mixed
     decoding speed, at SLO scales 2 and 3 (each scale's own knee): half the requests commit
     1.5 × the model's mean tokens per step, half 0.6 ×. The predictor knows the mean rates
-    only; the online refresh sees each request's own progress."""
+    only; the online refresh sees each request's own progress. Returns the ablation
+    table's column at SLO scale 2."""
     speeds = {"fast": 1.5, "slow": 0.6}
     mixed = dataclasses.replace(setup, class_progress=speed_classes(setup.progress, speeds))
     kinds = sorted(speeds)
-    gaps = {}
+    gaps, columns = {}, {}
     for scale in (2.0, 3.0):
         scaled = dataclasses.replace(mixed, slo_scale=scale)
         mix = Mix(
@@ -267,6 +277,7 @@ def online_prediction(setup, trace, duration: float) -> None:
         )
         knee = knee_of(sweep(scaled, mix, BASELINES, mix.rates), mix.rates)
         runs = sweep(scaled, mix, ("dilaserve", "one-shot"), [knee])
+        columns[scale] = (scaled, mix.requests(knee), knee)
         for s in runs.values():
             print(json.dumps({mix.line("knee"): s.to_dict(), "slo_scale": scale}))
         gaps[scale] = (
@@ -281,6 +292,7 @@ def online_prediction(setup, trace, duration: float) -> None:
         target=">= 3",
         by_scale={f"{k:g}": {"gap_pp": round(g, 3), "knee": r} for k, (g, r) in gaps.items()},
     )
+    return columns[2.0]
 
 
 #: Each mechanism and the policy that runs DiLaServe without it.

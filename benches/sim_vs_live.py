@@ -9,7 +9,10 @@ live), and the same quality floor. Every live and simulated summary is printed a
 line, then per policy and rate the differences, and the worst over all of them:
 
 - `sim_vs_live_attainment_abs_diff_pp`: |simulated − live| SLO attainment, points;
-- `sim_vs_live_mean_latency_rel_diff`: |simulated − live| / live mean latency.
+- `sim_vs_live_mean_latency_rel_diff`: |simulated − live| / live mean latency;
+- `sim_vs_live_ablation_sign_agreement`: the share of (ablation, rate) pairs where the
+  simulator and the live run agree on what removing the mechanism does to attainment
+  (helps, hurts, or within a point either way).
 
 `python benches/sim_vs_live.py [--rates R,R,...] [--duration S] [--policies P,P] [--quick]`
 """
@@ -42,6 +45,10 @@ from dilaserve.tiny import default_model_dir
 from dilaserve.tiny.tasks import gen_length
 
 BLOCK = 32
+#: Attainment differences within this many points count as no effect.
+DEAD_BAND_PP = 1.0
+#: The ablations (`dilaserve` without one mechanism) whose effect is compared.
+ABLATIONS = ("no-load-control", "no-migration", "one-shot", "no-admission")
 #: Cached contexts the profile times cache steps at: the tiny tasks' sequence lengths.
 CACHE_CONTEXTS = "64,128,256"
 
@@ -114,7 +121,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rates", default="8,16,24,32")
     parser.add_argument("--duration", type=float, default=20.0, help="seconds per rate")
-    parser.add_argument("--policies", default="dilaserve,infaas")
+    parser.add_argument(
+        "--policies",
+        default="dilaserve,infaas,no-load-control,no-migration,one-shot",
+        help="dilaserve first; the ablations among them are compared with it",
+    )
     parser.add_argument("--profile", help="use this profile instead of measuring one")
     parser.add_argument(
         "--quick", action="store_true", help="one rate (8 req/s) for 3 s, a coarse profile"
@@ -122,6 +133,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.rates, args.duration = "8", 3.0
+        args.policies = "dilaserve,infaas,no-migration"
     model_dir = default_model_dir()
     with tempfile.TemporaryDirectory() as tmp:
         profile_path = Path(
@@ -155,12 +167,14 @@ def main() -> None:
     )
     tokenizer = load_tokenizer(model_dir)
     worst_attainment = worst_latency = 0.0
+    attained = {}
     for ours in live:
         arrivals = spec.workload(ours.rate)
         deadlines = [slo[a.problem.task] for a in arrivals]
         workload = workload_of(arrivals, spec.duration_s, tokenizer)
         sim = simulate(setup, ours.policy, workload, ours.rate, slo_s=deadlines).summary()
         print(json.dumps({"simulated": True, **sim.to_dict()}))
+        attained[ours.policy, ours.rate] = (ours.attainment, sim.attainment)
         attainment = 100 * abs(sim.attainment - ours.attainment)
         latency = abs(sim.mean_latency_s - ours.mean_latency_s) / ours.mean_latency_s
         where = {"policy": ours.policy, "rate": ours.rate}
@@ -170,6 +184,33 @@ def main() -> None:
         worst_latency = max(worst_latency, latency)
     emit("sim_vs_live_attainment_abs_diff_pp", worst_attainment, "pp", target=5.0, of="worst")
     emit("sim_vs_live_mean_latency_rel_diff", worst_latency, "ratio", target=0.15, of="worst")
+    ablation_signs(attained)
+
+
+def ablation_signs(attained: dict) -> None:
+    """Per ablation and rate, whether the simulator and the live run agree on the sign of
+    `dilaserve`'s attainment minus the ablation's (within `DEAD_BAND_PP`: none)."""
+
+    def sign(points: float) -> int:
+        return 0 if abs(points) < DEAD_BAND_PP else (1 if points > 0 else -1)
+
+    agree = []
+    for (policy, rate), (live, sim) in sorted(attained.items()):
+        if policy not in ABLATIONS or ("dilaserve", rate) not in attained:
+            continue
+        ours_live, ours_sim = attained["dilaserve", rate]
+        live_pp, sim_pp = 100 * (ours_live - live), 100 * (ours_sim - sim)
+        agree.append(sign(live_pp) == sign(sim_pp))
+        where = {"policy": policy, "rate": rate, "live_pp": round(live_pp, 2)}
+        emit(
+            "sim_vs_live_ablation_sign_at",
+            float(agree[-1]),
+            "bool",
+            sim_pp=round(sim_pp, 2),
+            **where,
+        )
+    if agree:
+        emit("sim_vs_live_ablation_sign_agreement", sum(agree) / len(agree), "share", target=1.0)
 
 
 if __name__ == "__main__":

@@ -42,9 +42,15 @@ LINES = {
         "sim16_attainment_gain_pp_vs_infaas",
         "sim16_day_reconfig_gain_pp_vs_best_static",
         "sim16_shift_reconfig_gain_pp_vs_best_static",
+        "sim16_prefill_attainment_gain_pp_vs_infaas",
+        "sim16_prefill_attainment_gain_pp_vs_llumnix",
+        "sim16_prefill_light_attainment",
+        "sim16_migration_p99_ratio",
+        "sim16_oneshot_attainment_gap_pp",
+        "sim16_ablation_cost_pp_reconfiguration",
         "sim_s_100k_req_1024gpu",
     ],
-    "sim_vs_live.py": ["sim_vs_live_attainment_abs_diff_pp"],
+    "sim_vs_live.py": ["sim_vs_live_attainment_abs_diff_pp", "sim_vs_live_ablation_sign_agreement"],
     "tp.py": ["tp2_step_time_ratio", "tp_commit_bytes_per_position"],
 }
 
