@@ -336,11 +336,11 @@ impl Placement {
         })
     }
 
-    /// Whether `best` improves on by putting the request on `slot` with `key`.
     /// *(ours)* Whether a request of `seq` tokens (next step `n` tokens) gains by leaving
-    /// its `home` for `to`: whether `to` finishes its next step and `steps` further ones,
-    /// priced at both instances' steady loads (its own share added on `to`), at least
-    /// `gain` of the time from `now` sooner than `home` does.
+    /// its `home` for `to`: whether `to` finishes its next step and the policy's
+    /// `lookahead_steps` further ones, priced at both instances' steady loads (its own
+    /// share added on `to`), at least `migration_gain` of the time from now sooner than
+    /// `home` does.
     pub fn move_pays(
         &self,
         home: Stop<'_>,
@@ -371,6 +371,7 @@ impl Placement {
         }
     }
 
+    /// Whether `best` improves on by putting the request on `slot` with `key`.
     pub fn better(key: f64, slot: u32, best: Option<Candidate>) -> bool {
         beats(key, slot, best.map(|c| (c.key, c.slot)))
     }
