@@ -123,8 +123,9 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=20.0, help="seconds per rate")
     parser.add_argument(
         "--policies",
-        default="dilaserve,infaas,no-load-control,no-migration,one-shot",
-        help="dilaserve first; the ablations among them are compared with it",
+        help="dilaserve and the ablations among them are compared (default: dilaserve, "
+        "infaas, no-load-control, no-migration, one-shot; quick: dilaserve, infaas, "
+        "no-migration)",
     )
     parser.add_argument("--profile", help="use this profile instead of measuring one")
     parser.add_argument(
@@ -133,7 +134,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.rates, args.duration = "8", 3.0
-        args.policies = "dilaserve,infaas,no-migration"
+        args.policies = args.policies or "dilaserve,infaas,no-migration"
+    args.policies = args.policies or "dilaserve,infaas,no-load-control,no-migration,one-shot"
     model_dir = default_model_dir()
     with tempfile.TemporaryDirectory() as tmp:
         profile_path = Path(

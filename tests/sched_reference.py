@@ -383,10 +383,11 @@ class Placement:
         req = BIG if inst.max_req is None else max(inst.max_req - inst.residents - q_reqs, 0)
         return (start, factor, tokens, max(inst.budget - tokens, 0), kv, req, self.steady(slot))
 
-    def steady(self, slot: int) -> int:
+    def steady(self, slot: int, horizon: Lookahead | None = None) -> int:
         inst = self.insts[slot]
         q_reqs, q_seq = self.queued[slot]
-        return self.look.per_step(inst.residents + q_reqs, inst.resident_tokens + q_seq)
+        look = horizon or self.look
+        return look.per_step(inst.residents + q_reqs, inst.resident_tokens + q_seq)
 
     def leaf(self, slot: int) -> tuple:
         return CLOSED if slot == self.reserved else self.open_leaf(slot)
@@ -434,9 +435,8 @@ class Placement:
 
         def key(slot: int, own: int) -> float:
             inst = self.insts[slot]
-            q_reqs, q_seq = self.queued[slot]
-            steady = horizon.per_step(inst.residents + q_reqs, inst.resident_tokens + q_seq)
-            leaf = (self.start(inst), inst.factor, inst.base() + self.tokens[slot], 0, 0, 0, steady)
+            tokens = inst.base() + self.tokens[slot]
+            leaf = (self.start(inst), inst.factor, tokens, 0, 0, 0, self.steady(slot, horizon))
             return horizon.key(leaf, n, own, groups[inst.group]) - self.now
 
         return key(to, horizon.per_step(1, seq)) < key(home, 0) * (1.0 - policy.migration_gain)
@@ -807,6 +807,7 @@ class ReferenceScheduler:
                     or home_key <= best[0]
                     or (
                         not self.least_loaded
+                        and best[1] != reserved_slot
                         and not p.move_pays(home, best[1], n, seq, self.policy, groups)
                     )
                 ):

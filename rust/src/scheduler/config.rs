@@ -111,15 +111,15 @@ settings! {
         /// steady load (its residents' block steps plus their recompute steps spread over a
         /// block of this + 1 steps), so that a request does not go where its next step is
         /// quick and every later one crowded (a TP-4 instance beside idle TP-1s); 0 prices
-        /// the next step alone (DESIGN §6 as written). With one degree, it is the horizon a
-        /// request's move must pay over (`migration_gain`).
+        /// the next step alone (DESIGN §6 as written). It is also the horizon a request's
+        /// move must pay over (`migration_gain`).
         pub lookahead_steps: u32 = 9,
         /// Let requests change instance between steps (with caching: before recompute
         /// steps); requests on a draining or removed instance move regardless.
         pub migration: bool = true,
         /// *(ours)* Under earliest-completion choice a request leaves its home only if the
         /// move finishes its next step and `lookahead_steps` further ones (at both
-        /// instances' steady loads) at least this share sooner than staying. Priced by the
+        /// instances' steady loads) more than this share sooner than staying. Priced by the
         /// next step alone, requests leaving a block flocked to whichever instance's next
         /// batch was small and crowded every later step there: at the 16-GPU knee
         /// migrating met fewer deadlines than staying put. In [0, 1).

@@ -60,7 +60,7 @@ impl Lookahead {
 }
 
 /// An instance as a request's move is priced: its slot, state and degree's costs.
-pub(crate) type Stop<'a> = (u32, &'a Instance, &'a DegreeCosts);
+pub(crate) type PricedInstance<'a> = (u32, &'a Instance, &'a DegreeCosts);
 
 /// The instance a free request would go to, with its comparison key.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -343,8 +343,8 @@ impl Placement {
     /// `home` does.
     pub fn move_pays(
         &self,
-        home: Stop<'_>,
-        to: Stop<'_>,
+        home: PricedInstance<'_>,
+        to: PricedInstance<'_>,
         n: u64,
         seq: u64,
         policy: &Policy,
@@ -354,7 +354,7 @@ impl Placement {
             steps,
             ..self.lookahead
         };
-        let key = |(slot, inst, costs): Stop<'_>, own: u64| {
+        let key = |(slot, inst, costs): PricedInstance<'_>, own: u64| {
             completion_key(&self.priced_leaf(slot, inst, horizon), n, steps, own, costs) - self.now
         };
         key(to, horizon.per_step(1, seq)) < key(home, 0) * (1.0 - policy.migration_gain)

@@ -209,9 +209,9 @@ impl Default for MeanRatePredictor {
 }
 
 impl MeanRatePredictor {
-    /// Tokens of evidence the mean rates count for against a request's own record: its
-    /// speed estimate moves halfway to what it has shown once it has unmasked a block of
-    /// 32 tokens.
+    /// Tokens of evidence the mean rates count for against a request's own record (a
+    /// block at the default block length): its speed estimate moves halfway to what it
+    /// has shown once its steps were expected to unmask 32 tokens.
     pub const SPEED_PRIOR_TOKENS: f64 = 32.0;
 
     /// Steps a whole block of `block` positions takes at `rate` tokens per step.
@@ -222,7 +222,9 @@ impl MeanRatePredictor {
     /// *(ours)* How fast `r` has decoded against the rates: the tokens it unmasked over
     /// those its steps would have at the rate of their mean threshold (a block's last
     /// step commits only what is left, so a step counts for `block / steps per block`),
-    /// both with [`Self::SPEED_PRIOR_TOKENS`] added; 1 before its first step.
+    /// both with [`Self::SPEED_PRIOR_TOKENS`] added; 1 before its first step. Judged at
+    /// the mean threshold, a request whose steps ran at very different thresholds reads
+    /// slightly off its pace (half at 0.5 and half at 0.9: about 1.05).
     pub fn speed(&self, r: &RequestView) -> f64 {
         let Some(tau) = r.mean_tau_done.filter(|_| r.steps_done > 0) else {
             return 1.0;
@@ -283,8 +285,14 @@ impl StepPredictor for MeanRatePredictor {
         let per_block = &mut per_block[..k];
         let mut block = None;
         for (request, row) in requests.iter().zip(out.chunks_exact_mut(k)) {
-            if self.speed(request) != 1.0 {
-                self.predict(request, thresholds, row)?;
+            let speed = self.speed(request);
+            if speed != 1.0 {
+                // Its own rates, so its own steps per block.
+                for (slot, &rate) in row.iter_mut().zip(rates.iter()) {
+                    let rate = (rate * speed).max(1.0);
+                    let steps = Self::block_steps(request.block_length, rate);
+                    *slot = Self::steps_left(request, rate, steps);
+                }
                 continue;
             }
             if block != Some(request.block_length) {

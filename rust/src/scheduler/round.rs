@@ -230,10 +230,11 @@ impl Scheduler {
         let caching = config.caching;
         let placement: &mut Placement = &mut scratch.placement;
         let choice = config.policy.instance_choice;
-        // Within one degree instances differ only in load, which the next step orders;
+        // Within one degree instances differ only in load, which the next step orders (a
+        // move away from home is then checked over the lookahead, `Placement::move_pays`);
         // across degrees it misjudges them (see `placement`), and only there is the
-        // lookahead worth its weaker search bounds (3× a round's time at 1024 GPUs). A
-        // degree group, once added, stays for the scheduler's life.
+        // lookahead worth its weaker search bounds in the search itself (3× a round's time
+        // at 1024 GPUs). A degree group, once added, stays for the scheduler's life.
         let lookahead = Lookahead {
             steps: if groups.len() > 1 {
                 config.policy.lookahead_steps
@@ -343,15 +344,17 @@ impl Scheduler {
                     let stays = match (placement.home_key(h, inst, n, seq, home.2), best) {
                         (None, _) => false,
                         (Some(_), None) => true,
-                        // Earliest completion moves only what wins the next step and also
-                        // pays over the lookahead's horizon.
+                        // Earliest completion moves only what wins its key and also pays
+                        // over the lookahead's horizon; a reserver takes its reservation.
                         (Some(key), Some(b)) => {
                             key <= b.key
-                                || choice == InstanceChoice::EarliestCompletion && {
-                                    let to = &instances.slots[b.slot as usize];
-                                    let to = (b.slot, to, &groups[to.group]);
-                                    !placement.move_pays(home, to, n, seq, &config.policy)
-                                }
+                                || choice == InstanceChoice::EarliestCompletion
+                                    && reserved_slot != Some(b.slot)
+                                    && {
+                                        let to = &instances.slots[b.slot as usize];
+                                        let to = (b.slot, to, &groups[to.group]);
+                                        !placement.move_pays(home, to, n, seq, &config.policy)
+                                    }
                         }
                     };
                     if stays {

@@ -338,7 +338,7 @@ fn overload_sheds_only_the_excess() {
     // arrival while load control found a burst overloaded turned 15 % away here; since
     // predictions follow each request's own speed, one arrival of the thousand is).
     let near = run(Policy::dilaserve(), &tp1(1), &poisson(50.0, 1000, 0.5));
-    assert!(rejected(&near) <= 10, "{}", rejected(&near));
+    assert!(rejected(&near) <= 2, "{}", rejected(&near));
     assert!(attainment(&near) > 0.9, "{}", attainment(&near));
     // At four times that, the excess is refused and the rest still meet their SLOs.
     let over = run(Policy::dilaserve(), &tp1(1), &poisson(200.0, 4000, 0.5));
