@@ -26,11 +26,12 @@ from .config import Family, ModelConfig, check_token_ids
 from .dream import DREAM
 from .errors import CheckpointError
 from .llada import LLADA
+from .llada2 import LLADA2
 from .model import DiffusionLM
-from .parallel import Collective, Shard, check_degree, split_dim
+from .parallel import Collective, Shard, check_degree, fused_segments, split_dim
 from .stop_tokens import read_stop_token_ids
 
-FAMILIES: dict[str, Family] = {family.name: family for family in (LLADA, DREAM)}
+FAMILIES: dict[str, Family] = {family.name: family for family in (LLADA, DREAM, LLADA2)}
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -128,7 +129,9 @@ def load_model(
     with torch.device("meta"):
         model = DiffusionLM(config, group)
     expected = {
-        family.checkpoint_name(name): _Expected(name, tuple(t.shape), shard)
+        family.checkpoint_name(name): _Expected(
+            name, tuple(t.shape), shard, fused_segments(name, config)
+        )
         for name, t in model.state_dict().items()
     }
     files = weight_files(directory)
@@ -155,21 +158,35 @@ class _Expected:
     """One tensor this process loads: our name, the shape of its part, and the slice of the
     checkpoint tensor that is that part."""
 
-    def __init__(self, name: str, local_shape: tuple[int, ...], shard: Shard) -> None:
+    def __init__(
+        self,
+        name: str,
+        local_shape: tuple[int, ...],
+        shard: Shard,
+        segments: tuple[int, ...] | None = None,
+    ) -> None:
         self.name = name
         self.dim = split_dim(name) if shard.world_size > 1 else None
         full = list(local_shape)
         if self.dim is not None:
             full[self.dim] *= shard.world_size
         self.shape = tuple(full)
-        self.range = None if self.dim is None else shard.range(full[self.dim])
+        # (start, stop) per part along `dim`: the rank's share of each segment of a fused
+        # tensor, else its one contiguous range.
+        self.ranges: list[tuple[int, int]] = []
+        if self.dim is not None:
+            at = 0
+            for size in segments or (full[self.dim],):
+                start, stop = shard.range(size)
+                self.ranges.append((at + start, at + stop))
+                at += size
 
     def read(self, handle: Any, checkpoint_name: str) -> torch.Tensor:
-        if self.range is None:
+        if not self.ranges:
             return handle.get_tensor(checkpoint_name)
-        start, stop = self.range
         view = handle.get_slice(checkpoint_name)
-        return view[start:stop] if self.dim == 0 else view[:, start:stop]
+        parts = [view[a:b] if self.dim == 0 else view[:, a:b] for a, b in self.ranges]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
 
 
 def _read_tensors(

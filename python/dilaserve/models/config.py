@@ -17,6 +17,23 @@ from .errors import CheckpointError
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """Routed experts of a mixture-of-experts model (LLaDA2.x): a sigmoid router whose
+    `expert_bias` steers only the choice, `top_k` experts picked within the `topk_group`
+    best of `n_group` groups, their weights renormalised and scaled, plus `shared_inner`
+    width of always-on shared experts. Layers before `first_dense` are dense."""
+
+    num_experts: int
+    top_k: int
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    expert_inner: int
+    shared_inner: int
+    first_dense: int
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Architecture and special tokens of a loaded model, in one vocabulary for all families."""
 
@@ -42,6 +59,19 @@ class ModelConfig:
     norm_bias: bool
     input_scale: float = 1.0
     logit_scale: float = 1.0
+    #: Per-head RMSNorm of queries and keys before RoPE (Qwen3, LLaDA2.x).
+    qk_norm: bool = False
+    #: Leading head dimensions RoPE rotates (partial rotary); 0: all of them.
+    rotary_dim: int = 0
+    #: Block diffusion: attention is block-causal over blocks of this many absolute
+    #: positions and decoding goes block by block with an exact KV cache; 0: bidirectional.
+    block_size: int = 0
+    #: One fused Q/K/V projection (LLaDA2.x's `query_key_value`), heads in that order.
+    fused_qkv: bool = False
+    #: Bias of the attention's output projection where it differs from `linear_bias`
+    #: (LLaDA2.x's `use_bias` covers only that layer).
+    attn_out_bias: bool | None = None
+    moe: MoEConfig | None = None
     #: Tokens that end an answer: the EOS, the generation config's `eos_token_id`s and the
     #: chat template's end-of-turn token (`stop_tokens.read_stop_token_ids`).
     stop_token_ids: tuple[int, ...] = ()
@@ -72,12 +102,16 @@ class Family:
         return any(arch in self.architectures for arch in raw.get("architectures") or [])
 
     def checkpoint_name(self, name: str) -> str:
-        """Checkpoint tensor name of our parameter `name` (e.g. `layers.3.attn.q.weight`)."""
+        """Checkpoint tensor name of our parameter `name` (e.g. `layers.3.attn.q.weight`;
+        an expert's index is a `{}` in the `block` keys: `mlp.experts.{}.gate`)."""
         module, _, param = name.rpartition(".")
         parts = module.split(".")
         if parts[0] == "layers":
-            sub = ".".join(parts[2:])
-            return f"{self.block_prefix.format(int(parts[1]))}{self.block[sub]}.{param}"
+            rest = parts[2:]
+            numbers = [p for p in rest if p.isdigit()]
+            sub = ".".join("{}" if p.isdigit() else p for p in rest)
+            mapped = self.block[sub].format(*numbers)
+            return f"{self.block_prefix.format(int(parts[1]))}{mapped}.{param}"
         return f"{self.top[module]}.{param}"
 
 
@@ -116,9 +150,14 @@ def reject_unsupported(source: Path, **settings: tuple[Any, Any]) -> None:
 
 
 def check_heads(source: Path, hidden: int, heads: int, kv_heads: int) -> None:
+    """Heads that split the hidden size evenly (the head width is `hidden // heads`)."""
     if heads <= 0 or hidden % heads:
         raise CheckpointError(f"{source}: hidden size {hidden} is not divisible by {heads} heads")
-    if kv_heads <= 0 or heads % kv_heads:
+    check_head_groups(source, heads, kv_heads)
+
+
+def check_head_groups(source: Path, heads: int, kv_heads: int) -> None:
+    if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
         raise CheckpointError(f"{source}: {heads} heads are not a multiple of {kv_heads} KV heads")
 
 

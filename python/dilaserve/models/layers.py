@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .moe import MixtureOfExperts
 from .packed import PoolAccess, attend
 from .parallel import Collective, RowParallelLinear
 
@@ -43,11 +44,14 @@ def rope_tables(
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates `[T, heads, head_dim]` in float32 (half-split pairing, as HF Llama/Qwen2)."""
-    xf = x.float()
-    half = x.shape[-1] // 2
+    """Rotates `[T, heads, head_dim]` in float32 (half-split pairing, as HF Llama/Qwen2);
+    with tables narrower than the head, only its leading dimensions (partial rotary)."""
+    dim = cos.shape[-1]
+    xf = x[..., :dim].float()
+    half = dim // 2
     rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)
+    out = (xf * cos + rotated * sin).to(x.dtype)
+    return out if dim == x.shape[-1] else torch.cat((out, x[..., dim:]), dim=-1)
 
 
 def output_projection(
@@ -76,9 +80,10 @@ class SwiGLU(nn.Module):
 
 
 class Attention(nn.Module):
-    """Bidirectional attention over this rank's heads: query heads and KV heads are split
-    into contiguous ranges, so a rank's query heads read only its own KV heads (GQA groups
-    never straddle ranks when both counts divide by the degree)."""
+    """Attention over this rank's heads: query heads and KV heads are split into contiguous
+    ranges, so a rank's query heads read only its own KV heads (GQA groups never straddle
+    ranks when both counts divide by the degree). Bidirectional, or block-causal as the
+    forward's masks say."""
 
     def __init__(self, config: ModelConfig, group: Collective | None = None) -> None:
         super().__init__()
@@ -86,10 +91,38 @@ class Attention(nn.Module):
         hidden, dim = config.hidden_size, config.head_dim
         self.heads, self.kv_heads = config.num_heads // world, config.num_kv_heads // world
         self.head_dim = dim
-        self.q = nn.Linear(hidden, self.heads * dim, bias=config.qkv_bias)
-        self.k = nn.Linear(hidden, self.kv_heads * dim, bias=config.qkv_bias)
-        self.v = nn.Linear(hidden, self.kv_heads * dim, bias=config.qkv_bias)
-        self.o = output_projection(self.heads * dim, hidden, config.linear_bias, group)
+        if config.fused_qkv:
+            width = (self.heads + 2 * self.kv_heads) * dim
+            self.qkv = nn.Linear(hidden, width, bias=config.qkv_bias)
+        else:
+            self.q = nn.Linear(hidden, self.heads * dim, bias=config.qkv_bias)
+            self.k = nn.Linear(hidden, self.kv_heads * dim, bias=config.qkv_bias)
+            self.v = nn.Linear(hidden, self.kv_heads * dim, bias=config.qkv_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(dim, config.rms_norm_eps, False)
+            self.k_norm = RMSNorm(dim, config.rms_norm_eps, False)
+        o_bias = config.linear_bias if config.attn_out_bias is None else config.attn_out_bias
+        self.o = output_projection(self.heads * dim, hidden, o_bias, group)
+
+    def _project(self, x: torch.Tensor, part: str) -> torch.Tensor:
+        """`[T, heads, head_dim]` queries, keys or values of `x`, keys and queries normed
+        when the model norms them."""
+        heads = self.heads if part == "q" else self.kv_heads
+        if hasattr(self, "qkv"):
+            q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
+            start = {"q": 0, "k": q_width, "v": q_width + kv_width}[part]
+            width = q_width if part == "q" else kv_width
+            out = F.linear(
+                x,
+                self.qkv.weight[start : start + width],
+                None if self.qkv.bias is None else self.qkv.bias[start : start + width],
+            )
+        else:
+            out = getattr(self, part)(x)
+        out = out.view(x.shape[0], heads, self.head_dim)
+        if part != "v" and hasattr(self, "q_norm"):
+            out = (self.q_norm if part == "q" else self.k_norm)(out)
+        return out
 
     def forward(
         self,
@@ -99,40 +132,48 @@ class Attention(nn.Module):
         layer: int,
         cache: PoolAccess | None,
         keep: torch.Tensor | None = None,
+        masks: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """`x` `[T, hidden]` packed rows of `lengths` tokens each. With `keep` `[rows, m]`
-        (indices into the T tokens), only those tokens query: the output is theirs."""
-        t = x.shape[0]
-        k = apply_rope(self.k(x).view(t, self.kv_heads, self.head_dim), *rope)
-        v = self.v(x).view(t, self.kv_heads, self.head_dim)
+        (indices into the T tokens), only those tokens query: the output is theirs.
+        `masks` are the queries' block-causal masks (`packed.block_causal_masks`)."""
+        k = apply_rope(self._project(x, "k"), *rope)
+        v = self._project(x, "v")
         q_lengths = None
         if keep is not None:
             picked = keep.reshape(-1)
             x, rope = x[picked], (rope[0][picked], rope[1][picked])
             q_lengths = (keep.shape[1],) * keep.shape[0]
-        q = apply_rope(self.q(x).view(x.shape[0], self.heads, self.head_dim), *rope)
+        q = apply_rope(self._project(x, "q"), *rope)
         pool = None
         if cache is not None:
             if cache.slots is not None:
                 cache.pool.write(layer, cache.slots, k, v)
             pool = cache.pool.layer(layer)
         reads = None if cache is None else cache.reads
-        out = attend(q, k, v, lengths, pool, reads, q_lengths)
+        out = attend(q, k, v, lengths, pool, reads, q_lengths, masks)
         return self.o(out.reshape(x.shape[0], self.heads * self.head_dim))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
+    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`; the MLP is a
+    mixture of experts from the config's first MoE layer on."""
 
-    def __init__(self, config: ModelConfig, group: Collective | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, group: Collective | None = None, index: int = 0
+    ) -> None:
         super().__init__()
         world = 1 if group is None else group.world_size
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_bias)
         self.attn = Attention(config, group)
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_bias)
-        self.mlp = SwiGLU(
-            config.hidden_size, config.intermediate_size // world, config.linear_bias, group
-        )
+        moe = config.moe
+        self.mlp: nn.Module
+        if moe is not None and index >= moe.first_dense:
+            self.mlp = MixtureOfExperts(config.hidden_size, moe, group)
+        else:
+            inner = config.intermediate_size // world
+            self.mlp = SwiGLU(config.hidden_size, inner, config.linear_bias, group)
 
     def forward(
         self,
@@ -142,9 +183,10 @@ class DecoderLayer(nn.Module):
         layer: int,
         cache: PoolAccess | None,
         keep: torch.Tensor | None = None,
+        masks: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """With `keep` (the last layer, when only some tokens' logits are wanted) the
         attention queries, the residual and the MLP run on those tokens only."""
-        out = self.attn(self.attn_norm(x), rope, lengths, layer, cache, keep)
+        out = self.attn(self.attn_norm(x), rope, lengths, layer, cache, keep, masks)
         x = (x if keep is None else x[keep.reshape(-1)]) + out
         return x + self.mlp(self.mlp_norm(x))

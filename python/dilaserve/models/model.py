@@ -16,7 +16,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .layers import DecoderLayer, RMSNorm, rope_tables
-from .packed import PackedBatch, PoolAccess
+from .packed import PackedBatch, PoolAccess, block_causal_masks
 from .parallel import Collective, Shard, VocabParallelEmbedding, check_degree
 
 if TYPE_CHECKING:
@@ -27,7 +27,8 @@ CacheAccessMode = Literal["off", "write", "read"]
 
 
 class DiffusionLM(nn.Module):
-    """Bidirectional transformer returning per-position vocabulary logits."""
+    """Transformer returning per-position vocabulary logits: bidirectional, or block-causal
+    for block diffusion models (`config.block_size`)."""
 
     def __init__(self, config: ModelConfig, group: Collective | None = None) -> None:
         super().__init__()
@@ -48,7 +49,9 @@ class DiffusionLM(nn.Module):
             if group is None
             else VocabParallelEmbedding(rows, config.hidden_size, self.vocab_offset, group)
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, group) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, group, index) for index in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_bias)
         self.lm_head = (
             None
@@ -111,12 +114,25 @@ class DiffusionLM(nn.Module):
         x = self.embed(batch.ids)
         if self.config.input_scale != 1.0:
             x = x * self.config.input_scale
-        rope = rope_tables(batch.positions, self.config.head_dim, self.config.rope_theta)
+        config = self.config
+        rope = rope_tables(batch.positions, config.rotary_dim or config.head_dim, config.rope_theta)
         keep = batch.logits_index
+        masks = masks_keep = None
+        if config.block_size:
+            masks = block_causal_masks(
+                batch.positions, batch.lengths, batch.cache_reads, config.block_size
+            )
+            if keep is not None:
+                masks_keep = block_causal_masks(
+                    batch.positions, batch.lengths, batch.cache_reads, config.block_size, keep
+                )
         last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):
             # Only the tokens whose logits are wanted need the last layer's queries and MLP.
-            x = layer(x, rope, batch.lengths, index, access, keep if index == last else None)
+            if index == last and keep is not None:
+                x = layer(x, rope, batch.lengths, index, access, keep, masks_keep)
+            else:
+                x = layer(x, rope, batch.lengths, index, access, None, masks)
         x = x[None] if keep is None else x.view(*keep.shape, -1)
         return self._logits(self.norm(x))
 

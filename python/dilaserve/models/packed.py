@@ -81,33 +81,66 @@ def attend(
     pool: tuple[torch.Tensor, torch.Tensor] | None = None,
     reads: tuple[tuple[int, int], ...] | None = None,
     q_lengths: tuple[int, ...] | None = None,
+    masks: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Bidirectional attention of packed queries `q` `[Tq, heads, dim]`: each row over its
-    own `k`, `v` `[T, kv_heads, dim]` rows (`lengths` per row), or with `reads` over its
-    extent of the pool's `[capacity, kv_heads, dim]` K and V. Rows have `q_lengths` queries
-    (default: `lengths`, every fed token). Returns `[Tq, heads, dim]`."""
+    """Attention of packed queries `q` `[Tq, heads, dim]`: each row over its own `k`, `v`
+    `[T, kv_heads, dim]` rows (`lengths` per row), or with `reads` over its extent of the
+    pool's `[capacity, kv_heads, dim]` K and V. Rows have `q_lengths` queries (default:
+    `lengths`, every fed token). Bidirectional, unless `masks` gives each row's
+    `[queries, keys]` boolean mask (`block_causal_masks`). Returns `[Tq, heads, dim]`."""
     q_lengths = lengths if q_lengths is None else q_lengths
     rows = len(lengths)
+    stacked = None
+    if masks is not None and len({m.shape for m in masks}) == 1:
+        stacked = torch.stack(masks)[:, None]
     if reads is not None and pool is not None:
         batched = _even_extents(q_lengths, reads)
-        if batched is not None:
+        if batched is not None and (masks is None or stacked is not None):
             keys, values = (_strided_rows(t, *batched) for t in pool)
-            return _sdpa(_rows(q, rows), keys, values).reshape(q.shape)
+            return _sdpa(_rows(q, rows), keys, values, stacked).reshape(q.shape)
         keys = [pool[0][b : b + n] for b, n in reads]
         values = [pool[1][b : b + n] for b, n in reads]
     else:
-        if flash_attn_varlen_func is not None and q.is_cuda and q.dtype != torch.float32:
+        if (
+            masks is None
+            and flash_attn_varlen_func is not None
+            and q.is_cuda
+            and q.dtype != torch.float32
+        ):
             return _flash_varlen(q, k, v, q_lengths, lengths)
-        if len(set(lengths)) == 1 and len(set(q_lengths)) == 1:
-            return _sdpa(_rows(q, rows), _rows(k, rows), _rows(v, rows)).reshape(q.shape)
+        if len(set(lengths)) == 1 and len(set(q_lengths)) == 1 and (masks is None or stacked is not None):
+            return _sdpa(_rows(q, rows), _rows(k, rows), _rows(v, rows), stacked).reshape(q.shape)
         keys, values = list(k.split(lengths)), list(v.split(lengths))
+    row_masks = [None] * rows if masks is None else [m[None, None] for m in masks]
     # Out of place, so training (autograd) runs the same path.
     return torch.cat(
         [
-            _sdpa(qi[None], ki[None], vi[None])[0]
-            for qi, ki, vi in zip(q.split(q_lengths), keys, values, strict=True)
+            _sdpa(qi[None], ki[None], vi[None], mi)[0]
+            for qi, ki, vi, mi in zip(q.split(q_lengths), keys, values, row_masks, strict=True)
         ]
     )
+
+
+def block_causal_masks(
+    positions: torch.Tensor,
+    lengths: tuple[int, ...],
+    reads: tuple[tuple[int, int], ...] | None,
+    block: int,
+    keep: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
+    """Per row, the `[queries, keys]` mask of block-causal attention (block diffusion
+    models): a token sees every token of its own `block`-long block of absolute positions
+    and of the blocks before it. Keys are the row's fed tokens, or with `reads` its pool
+    extent, whose row `j` holds position `j`; queries are the fed tokens, or the ones
+    `keep` `[rows, m]` picks."""
+    queries = positions.split(lengths) if keep is None else list(positions[keep])
+    if reads is None:
+        keys = positions.split(lengths)
+    else:
+        keys = [torch.arange(n, device=positions.device) for _, n in reads]
+    return [
+        (k // block)[None, :] <= (q // block)[:, None] for q, k in zip(queries, keys, strict=True)
+    ]
 
 
 def _rows(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -115,11 +148,14 @@ def _rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return x.view(rows, -1, *x.shape[1:])
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """SDPA on token-major `[b, n, heads, dim]` views; returns `[b, n, heads, dim]`."""
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """SDPA on token-major `[b, n, heads, dim]` views (`mask` `[b, 1, n, keys]` or None);
+    returns `[b, n, heads, dim]`."""
     gqa = k.shape[2] != q.shape[2]
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=gqa
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=gqa
     )
     return out.transpose(1, 2)
 

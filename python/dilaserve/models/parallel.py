@@ -74,6 +74,9 @@ def degree_problems(config: ModelConfig, degree: int) -> list[str]:
         "MLP width": config.intermediate_size,
         "padded vocabulary (embedding rows)": config.embedding_rows,
     }
+    if config.moe is not None:
+        sizes["expert width"] = config.moe.expert_inner
+        sizes["shared experts' width"] = config.moe.shared_inner
     return [f"{size} {what}" for what, size in sizes.items() if size % degree]
 
 
@@ -111,9 +114,14 @@ _SPLIT = {
     "mlp.gate.bias": 0,
     "mlp.up.weight": 0,
     "mlp.up.bias": 0,
+    "attn.qkv.weight": 0,
+    "attn.qkv.bias": 0,
     "attn.o.weight": 1,
     "mlp.down.weight": 1,
 }
+
+#: Every expert (routed or shared) is split like the dense MLP (`moe.py` says why).
+_EXPERT_SPLIT = {"gate.weight": 0, "up.weight": 0, "down.weight": 1}
 
 
 def split_dim(name: str) -> int | None:
@@ -122,7 +130,20 @@ def split_dim(name: str) -> int | None:
     for suffix, dim in _SPLIT.items():
         if name == suffix or name.endswith("." + suffix):
             return dim
+    if ".experts." in name or ".shared." in name:
+        for suffix, dim in _EXPERT_SPLIT.items():
+            if name.endswith("." + suffix):
+                return dim
     return None
+
+
+def fused_segments(name: str, config: ModelConfig) -> tuple[int, ...] | None:
+    """The parts of a fused tensor a rank takes its share of each of (a fused Q/K/V
+    projection: queries, keys, values), or None for an ordinary tensor."""
+    if not config.fused_qkv or not name.endswith(("attn.qkv.weight", "attn.qkv.bias")):
+        return None
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    return (q, kv, kv)
 
 
 class RowParallelLinear(nn.Module):

@@ -35,6 +35,7 @@ SPECIAL_TOKENS = {
         "<|eot_id|>",
     ],
     "dream": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|beginoftext|>", "<|mask|>"],
+    "llada2": ["<|startoftext|>", "<|endoftext|>", "<|role_end|>", "<|mask|>", "<role>", "</role>"],
 }
 
 
@@ -155,6 +156,56 @@ def tiny_config(family: str) -> dict[str, Any]:
             "use_sliding_window": False,
             "vocab_size": TINY_VOCAB,
         }
+    if family == "llada2":
+        eos = ids["<|endoftext|>"]
+        return {
+            "architectures": ["LLaDA2MoeModelLM"],
+            "attention_dropout": 0.0,
+            "auto_map": {
+                "AutoConfig": "configuration_llada2_moe.LLaDA2MoeConfig",
+                "AutoModel": "modeling_llada2_moe.LLaDA2MoeModel",
+                "AutoModelForCausalLM": "modeling_llada2_moe.LLaDA2MoeModelLM",
+            },
+            "embedding_dropout": 0.0,
+            "eos_token_id": eos,
+            "first_k_dense_replace": 1,
+            "head_dim": 16,
+            "hidden_act": "silu",
+            "hidden_size": 64,
+            "initializer_range": 0.02,
+            "intermediate_size": 128,
+            "mask_token_id": ids["<|mask|>"],
+            "max_position_embeddings": 1024,
+            "max_window_layers": 2,
+            "model_type": "llada2_moe",
+            "moe_intermediate_size": 32,
+            "n_group": 4,
+            "norm_head": False,
+            "num_attention_heads": 4,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "num_hidden_layers": 3,
+            "num_key_value_heads": 2,
+            "num_shared_experts": 1,
+            "output_dropout": 0.0,
+            "output_router_logits": False,
+            "pad_token_id": eos,
+            "partial_rotary_factor": 0.5,
+            "rms_norm_eps": 1e-06,
+            "rope_scaling": None,
+            "rope_theta": 600000,
+            "routed_scaling_factor": 2.5,
+            "tie_word_embeddings": False,
+            "topk_group": 2,
+            "torch_dtype": "bfloat16",
+            "transformers_version": "4.52.3",
+            "use_bias": False,
+            "use_cache": False,
+            "use_qk_norm": True,
+            "use_qkv_bias": False,
+            "use_rmsnorm": True,
+            "vocab_size": TINY_VOCAB,
+        }
     raise ValueError(f"unknown model family {family!r}; choose one of {sorted(FAMILIES)}")
 
 
@@ -179,7 +230,7 @@ def write_tiny_checkpoint(
     model = DiffusionLM(config)
     randomize(model, seed)
     save_checkpoint(model, directory, max_shard_bytes=max_shard_bytes)
-    layout = tokenizer_layout or ("json" if family == "llada" else "bpe_files")
+    layout = tokenizer_layout or ("bpe_files" if family == "dream" else "json")
     write_tiny_tokenizer(directory, family, layout)
     return directory
 
@@ -237,6 +288,13 @@ def _special_roles(family: str) -> dict[str, str]:
             "bos_token": "<|startoftext|>",
             "eos_token": "<|endoftext|>",
             "pad_token": "<|endoftext|>",
+        }
+    if family == "llada2":
+        return {
+            "bos_token": "<|startoftext|>",
+            "eos_token": "<|endoftext|>",
+            "pad_token": "<|endoftext|>",
+            "mask_token": "<|mask|>",
         }
     return {
         "bos_token": "<|beginoftext|>",
