@@ -45,11 +45,15 @@ def ahead_kind(cache: CacheMode, cache_valid: bool) -> StepKind:
 
 
 class CacheMode(enum.StrEnum):
-    """Approximate KV-cache policy of an instance (Fast-dLLM)."""
+    """KV-cache policy of an instance: Fast-dLLM's approximate caches (`prefix`, `dual`)
+    for bidirectional models, or the exact cache of block diffusion models (`block`: a
+    finished block's K/V is final, so a step feeds only its block — and, once, the block
+    finished before it — and attends to the cached prefix)."""
 
     NONE = "none"
     PREFIX = "prefix"
     DUAL = "dual"
+    BLOCK = "block"
 
     def step_kinds(self) -> tuple[StepKind, ...]:
         """Step kinds an instance in this mode executes."""
@@ -109,6 +113,10 @@ class RequestState:
     # Grid steps of Dream's schedule passed in the current block: ahead of block_steps
     # where steps that would commit nothing were skipped.
     timestep: int = 0
+    #: Leading output positions that hold the prompt's tail: a block diffusion model's
+    #: blocks start at absolute multiples of its block length, so the first output block
+    #: may begin inside the prompt (`aligned`). They are never committed or returned.
+    lead: int = 0
 
     @classmethod
     def new(
@@ -127,8 +135,11 @@ class RequestState:
         top_p: float = 1.0,
         top_k: int | None = None,
         seed: int | None = None,
+        aligned: bool = False,
     ) -> RequestState:
-        """A fresh request: `gen_length` output positions rounded up to whole blocks."""
+        """A fresh request: `gen_length` output positions rounded up to whole blocks —
+        with `aligned` (block diffusion), blocks of absolute positions, the first holding
+        the prompt's tail (`lead`)."""
         if block_length <= 0:
             raise TokenStateError(f"block_length must be positive, got {block_length}")
         if gen_length <= 0:
@@ -136,10 +147,13 @@ class RequestState:
         problem = option_problem(alg=alg, alg_temp=alg_temp, top_p=top_p, top_k=top_k, seed=seed)
         if problem is not None:
             raise TokenStateError(f"request {request_id}: {problem[1]}")
+        prompt = list(prompt_ids)
+        lead = len(prompt) % block_length if aligned else 0
+        tail = prompt[len(prompt) - lead :]
         state = cls(
             request_id=request_id,
-            prompt_ids=list(prompt_ids),
-            output_ids=[mask_token_id] * whole_blocks(gen_length, block_length),
+            prompt_ids=prompt[: len(prompt) - lead],
+            output_ids=tail + [mask_token_id] * (whole_blocks(gen_length + lead, block_length) - lead),
             block_length=block_length,
             mask_token_id=mask_token_id,
             stop_token_ids=list(stop_token_ids),
@@ -150,17 +164,23 @@ class RequestState:
             top_p=top_p,
             top_k=top_k,
             seed=seed,
+            lead=lead,
         )
         state.validate()
         return state
 
     def validate(self) -> None:
         rid = self.request_id
-        if not self.prompt_ids:
+        if not self.prompt_ids and not self.lead:
             raise TokenStateError(f"request {rid}: prompt is empty")
-        if self.mask_token_id in self.prompt_ids:
+        if self.mask_token_id in self.prompt_ids + self.output_ids[: self.lead]:
             raise TokenStateError(
                 f"request {rid}: prompt contains the mask token {self.mask_token_id}"
+            )
+        if not 0 <= self.lead < min(self.block_length, len(self.output_ids)):
+            raise TokenStateError(
+                f"request {rid}: a lead of {self.lead} prompt tokens does not fit in its "
+                f"first block of {self.block_length}"
             )
         if self.block_length <= 0 or len(self.output_ids) % self.block_length:
             raise TokenStateError(
@@ -256,7 +276,8 @@ class RequestState:
         if not self.stop_token_ids:
             return None
         stops = set(self.stop_token_ids)
-        return next((i for i, t in enumerate(self.output_ids) if t in stops), None)
+        output = self.output_ids
+        return next((i for i in range(self.lead, len(output)) if output[i] in stops), None)
 
     @property
     def masked_in_block(self) -> int:
@@ -293,9 +314,9 @@ class RequestState:
         return stop is not None and stop < first_mask
 
     def generated_ids(self) -> list[int]:
-        """Output tokens, cut before the first stop token."""
+        """Output tokens after the lead, cut before the first stop token."""
         stop = self.stop_position
-        return self.output_ids[:stop] if stop is not None else list(self.output_ids)
+        return self.output_ids[self.lead : stop]
 
     def commit(
         self, block: int, positions: list[int], tokens: list[int], timesteps: int = 1

@@ -14,12 +14,16 @@ use crate::profile::StepKind;
 use crate::step_readback::read_back;
 use crate::tokens::{Commit, TokenSpec, Tokens};
 
-/// What a cache step feeds besides its block: nothing (dual cache) or everything after it
-/// (prefix cache). Steps of the other kinds feed the whole sequence.
+/// What a cache step feeds besides its block: nothing (dual cache), everything after it
+/// (prefix cache), or — block diffusion's exact cache — the blocks finished since the
+/// instance last wrote exact K/V (the block the previous step completed). Steps of the
+/// other kinds feed the whole sequence, or under the exact cache everything up to the end
+/// of the current block (later blocks are invisible to it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CacheWindow {
     Block,
     Suffix,
+    Exact,
 }
 
 /// A resident request.
@@ -30,6 +34,9 @@ struct Held {
     /// This instance holds K/V of the current block's recompute step: a cache step may
     /// read it.
     cache_valid: bool,
+    /// Under the exact cache: sequence positions whose final K/V this instance holds
+    /// (everything before the block its last step ran).
+    exact_len: usize,
 }
 
 impl Held {
@@ -44,6 +51,10 @@ impl Held {
     /// Sequence index of the current block's first position.
     fn block_start(&self) -> usize {
         self.prompt.len() + (self.tokens.current_block() * self.block_length()) as usize
+    }
+
+    fn block_end(&self) -> usize {
+        self.block_start() + self.block_length() as usize
     }
 
     /// Block offsets of the current block's masked positions: the step's candidates.
@@ -120,9 +131,20 @@ pub struct AppliedStep {
 #[derive(Default)]
 pub struct HeldTokens {
     rows: HashMap<u64, Held>,
+    /// Block diffusion's exact cache: a finished block's K/V stays valid, and every step
+    /// feeds and reads up to the end of the current block only.
+    exact: bool,
 }
 
 impl HeldTokens {
+    /// The state of a worker whose cache is block diffusion's exact one.
+    pub fn exact() -> Self {
+        Self {
+            exact: true,
+            ..Self::default()
+        }
+    }
+
     /// Takes a request in at any point of its decoding (new, or migrated with its output
     /// and counters); it holds no K/V here yet.
     pub fn add(
@@ -136,7 +158,7 @@ impl HeldTokens {
         if self.rows.contains_key(&id) {
             return Err(format!("request {id} is already on this runner"));
         }
-        if prompt.is_empty() {
+        if prompt.is_empty() && spec.lead == 0 {
             return Err(format!("request {id}: prompt is empty"));
         }
         let tokens = Tokens::resume(spec, output, counters)?;
@@ -144,6 +166,7 @@ impl HeldTokens {
             prompt,
             tokens,
             cache_valid: false,
+            exact_len: 0,
         };
         self.rows.insert(id, held);
         Ok(())
@@ -233,11 +256,12 @@ impl HeldTokens {
         };
         for (i, (h, kind)) in rows.iter().zip(kinds).enumerate() {
             let (start, seq) = (h.block_start(), h.seq_length());
+            let window = if self.exact { CacheWindow::Exact } else { window };
             let (begin, end) = match (kind, window) {
-                (StepKind::Cache, CacheWindow::Block) => {
-                    (start - shift, start + h.block_length() as usize)
-                }
+                (StepKind::Cache, CacheWindow::Block) => (start - shift, h.block_end()),
                 (StepKind::Cache, CacheWindow::Suffix) => (start - shift, seq),
+                (StepKind::Cache, CacheWindow::Exact) => (h.exact_len, h.block_end()),
+                (_, CacheWindow::Exact) => (0, h.block_end()),
                 _ => (0, seq),
             };
             let offset = out.ids.len() as i64;
@@ -259,7 +283,7 @@ impl HeldTokens {
                 out.candidate.push(i64::from(j < c.len()));
             }
             out.lengths.push((end - begin) as u32);
-            out.seq_lengths.push(seq as u32);
+            out.seq_lengths.push(if self.exact { end } else { seq } as u32);
         }
         Ok(out)
     }
@@ -322,12 +346,17 @@ impl HeldTokens {
         for (i, (id, kind)) in ids.iter().zip(kinds).enumerate() {
             let end = offset + out.counts[i] as usize;
             let held = self.rows.get_mut(id).expect("checked above");
+            let block_start = held.block_start();
             held.tokens.apply(&commit_of(&out, i, offset, end));
             // Every step writes the fed tokens' K/V; only a recompute step refreshes the
-            // rest of the sequence, which a cache step of the same block reads.
-            held.cache_valid = held.tokens.counters()[1] != 0
-                && *kind != StepKind::NoCache
-                && (held.cache_valid || *kind == StepKind::Recompute);
+            // rest of the sequence, which a cache step of the same block reads. The exact
+            // cache's K/V of everything before the block stays final, past the block's end.
+            let writes = *kind != StepKind::NoCache;
+            let kept = held.cache_valid || *kind == StepKind::Recompute;
+            held.cache_valid = writes && kept && (self.exact || held.tokens.counters()[1] != 0);
+            if self.exact && writes {
+                held.exact_len = block_start;
+            }
             out.done.push(held.tokens.done());
             offset = end;
         }
@@ -358,6 +387,7 @@ mod tests {
             mask: MASK,
             stops: vec![EOS],
             fixed_schedule: false,
+            lead: 0,
         }
     }
 
@@ -410,6 +440,37 @@ mod tests {
         // Row 2's block starts at sequence index 2: fed tokens 4 + 2 + j.
         assert_eq!(p.index[4..], [6, 7, 8, 9]);
         assert_eq!(p.seq_lengths, vec![11, 6]);
+    }
+
+    #[test]
+    fn the_exact_cache_feeds_the_finished_block_once_then_only_the_current_one() {
+        let mut t = HeldTokens::exact();
+        // Prompt [1, 2] plus a lead of two prompt tokens: blocks of 4 start at position 0.
+        let lead = TokenSpec {
+            lead: 2,
+            ..spec(8, 4)
+        };
+        let output = [3, EOS, MASK, MASK, MASK, MASK, MASK, MASK];
+        t.add(1, vec![1, 2], &lead, &output, [0, 0, 0]).unwrap();
+        assert!(!t.done(1).unwrap(), "a stop token in the lead is the prompt's");
+        let kinds = [StepKind::Recompute];
+        let p = t.pack(&[1], &kinds, CacheWindow::Block, 0, Some(&[0])).unwrap();
+        // A recompute feeds up to the end of the current block, never the blocks after it.
+        assert_eq!((p.positions.clone(), p.seq_lengths.clone()), ((0..6).collect(), vec![6]));
+        assert_eq!(p.index, vec![4, 5]);
+        // Commit both masked positions: the block ends; its K/V written so far is stale.
+        let host = row(2, &[true, true], &[8, 9]);
+        t.commit(&[1], &kinds, &host).unwrap();
+        assert!(t.cache_valid(1).unwrap(), "the exact cache survives the block's end");
+        let cache = [StepKind::Cache];
+        let p = t.pack(&[1], &cache, CacheWindow::Block, 0, Some(&[0])).unwrap();
+        // The next step feeds the finished block (its final K/V) and the new one.
+        assert_eq!(p.positions, (2..10).collect::<Vec<i64>>());
+        assert_eq!(p.seq_lengths, vec![10]);
+        assert_eq!(p.index[..1], [4]);
+        t.commit(&[1], &cache, &row(4, &[true], &[10])).unwrap();
+        let p = t.pack(&[1], &cache, CacheWindow::Block, 0, Some(&[0])).unwrap();
+        assert_eq!(p.positions, (6..10).collect::<Vec<i64>>());
     }
 
     #[test]

@@ -219,6 +219,7 @@ mod tests {
             mask: MASK,
             stops: vec![EOS],
             fixed_schedule: false,
+            lead: 0,
         };
         t.insert(id, Tokens::new(&tokens).unwrap());
     }

@@ -25,6 +25,9 @@ pub struct TokenSpec {
     /// The request follows a fixed schedule (steps per block), not the threshold rule: its
     /// commits say nothing about the served model's tokens per step at a τ.
     pub fixed_schedule: bool,
+    /// Leading output positions that hold the prompt's tail (block diffusion aligns blocks
+    /// on absolute positions): never committed, never a stop.
+    pub lead: u32,
 }
 
 /// One request's token state.
@@ -112,8 +115,9 @@ impl Tokens {
             .count() as u32;
         tokens.stop_at = output
             .iter()
+            .skip(spec.lead as usize)
             .position(|t| spec.stops.contains(t))
-            .map(|p| p as u32);
+            .map(|p| p as u32 + spec.lead);
         [tokens.steps_done, tokens.block_steps, tokens.timestep] = counters;
         Ok(tokens)
     }
@@ -307,6 +311,7 @@ mod tests {
             mask: MASK,
             stops: vec![EOS],
             fixed_schedule: false,
+            lead: 0,
         };
         t.insert(1, Tokens::new(&spec).unwrap());
         t

@@ -25,14 +25,16 @@ def generate(
     prompts: Sequence[Sequence[int]],
     *,
     gen_length: int,
-    block_length: int = 32,
+    block_length: int | None = None,
     threshold: Threshold = 0.9,
     stop_at_eos: bool = False,
     **options: Any,
 ) -> list[Generation]:
     """Decodes `prompts` together in one batch until each is done; returns one per prompt.
-    `options` are decoding options of `RequestState.new` (temperature, seed, alg, ...)."""
+    `options` are decoding options of `RequestState.new` (temperature, seed, alg, ...).
+    The block length defaults to a block diffusion model's own, else 32."""
     config = runner.config
+    block_length = block_length or config.block_size or 32
     states = [
         RequestState.new(
             i,
@@ -41,6 +43,7 @@ def generate(
             block_length=block_length,
             mask_token_id=config.mask_token_id,
             stop_token_ids=config.stop_token_ids if stop_at_eos else (),
+            aligned=bool(config.block_size),
             **options,
         )
         for i, p in enumerate(prompts)

@@ -72,6 +72,20 @@ from dilaserve.worker.tp_group import TensorParallelGroup
 _KIND_CODES = {StepKind(k): code for code, k in enumerate(STEP_KINDS)}
 
 
+def check_cache_mode(block_size: int, cache: CacheMode) -> None:
+    """A block diffusion model (`block_size` > 0) runs with its exact cache or none; the
+    block cache needs such a model."""
+    if block_size and cache in (CacheMode.PREFIX, CacheMode.DUAL):
+        raise ValueError(
+            f"cache mode {cache} approximates bidirectional attention; a block diffusion "
+            f"model caches exactly: use '{CacheMode.BLOCK}' (or '{CacheMode.NONE}')"
+        )
+    if not block_size and cache is CacheMode.BLOCK:
+        raise ValueError(
+            f"cache mode '{CacheMode.BLOCK}' needs a block diffusion model (LLaDA2.x, SDAR)"
+        )
+
+
 @dataclass
 class _Held:
     """A request resident on this runner: its decoding options and whether it holds a KV
@@ -107,6 +121,7 @@ class StepRunner:
         self.config = model.config
         self.device = next(model.parameters()).device
         self.cache_mode = CacheMode(cache)
+        check_cache_mode(self.config.block_size, self.cache_mode)
         self._step_kinds = self.cache_mode.step_kinds()
         self.max_seq_len = max_seq_len or self.config.max_position_embeddings
         self.group: TensorParallelGroup | None = getattr(model, "group", None)
@@ -134,7 +149,7 @@ class StepRunner:
         if self.pool is not None and self.group is not None:
             self.pool.on_move = self.group.send_moves
         self._held: dict[int, _Held] = {}
-        self._tokens = HeldTokens()
+        self._tokens = HeldTokens(exact=self.cache_mode is CacheMode.BLOCK)
         self.forward_tokens = 0
         # Noise of sampling and of Dream's random rules; seeded, so a runner's samples repeat.
         self._noise = torch.Generator(self.device).manual_seed(0)
@@ -194,6 +209,12 @@ class StepRunner:
                 f"request {rid}: mask token {state.mask_token_id} is not the model's "
                 f"({self.config.mask_token_id})"
             )
+        block = self.config.block_size
+        if block and (state.block_length != block or len(state.prompt_ids) % block):
+            raise TokenStateError(
+                f"request {rid}: this block diffusion model decodes blocks of {block} "
+                f"absolute positions; build the request with block_length={block}, aligned"
+            )
         vocab = self.config.vocab_size
         if any(not 0 <= t < vocab for t in state.prompt_ids + state.output_ids):
             raise TokenStateError(f"request {rid}: token id outside the vocabulary [0, {vocab})")
@@ -208,6 +229,7 @@ class StepRunner:
                 state.stop_token_ids,
                 state.steps_per_block is not None,
                 counters,
+                state.lead,
             )
         except (ValueError, OverflowError) as exc:  # a counter that is negative or too large
             raise TokenStateError(f"request {rid}: {exc}") from None
@@ -248,9 +270,12 @@ class StepRunner:
         return self._tokens.done(request_id)
 
     def export(self, request_id: int) -> RequestState:
-        """Removes a request for migration; refused while its next step would read K/V held
-        here (DESIGN §6: migrate only before a recompute step)."""
-        if self.next_kind(request_id) is StepKind.CACHE:
+        """Removes a request for migration; with an approximate cache, refused while its
+        next step would read K/V held here (DESIGN §6: migrate only before a recompute
+        step). Under the exact block cache a request may leave at any step: its new
+        instance rebuilds the exact K/V of its committed prefix in one recompute step."""
+        exact = self.cache_mode is CacheMode.BLOCK
+        if not exact and self.next_kind(request_id) is StepKind.CACHE:
             raise MigrationError(
                 f"request {request_id}: its next step is a cache step; migrate it before a "
                 "recompute step"

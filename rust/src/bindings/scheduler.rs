@@ -296,6 +296,7 @@ impl PyScheduler {
                     mask,
                     stops: stop_tokens,
                     fixed_schedule,
+                    lead: 0,
                 };
                 Tokens::new(&spec).map_err(invalid)
             })

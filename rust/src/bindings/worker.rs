@@ -50,16 +50,23 @@ type Report = (
 
 #[pymethods]
 impl PyHeldTokens {
+    /// `exact`: block diffusion's exact KV cache (`held_tokens::CacheWindow::Exact`).
     #[new]
-    fn new() -> Self {
-        Self {
-            inner: HeldTokens::default(),
-        }
+    #[pyo3(signature = (exact=false))]
+    fn new(exact: bool) -> Self {
+        let inner = if exact {
+            HeldTokens::exact()
+        } else {
+            HeldTokens::default()
+        };
+        Self { inner }
     }
 
     /// Takes a request in with its output so far and `(steps_done, block_steps,
-    /// timestep)`; `ValueError` if they do not fit together.
+    /// timestep)`, its first `lead` output positions the prompt's tail; `ValueError` if
+    /// they do not fit together.
     #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (id, prompt, output, block_length, mask, stops, fixed_schedule, counters, lead=0))]
     fn add(
         &mut self,
         id: u64,
@@ -70,6 +77,7 @@ impl PyHeldTokens {
         stops: Vec<u32>,
         fixed_schedule: bool,
         counters: (u32, u32, u32),
+        lead: u32,
     ) -> PyResult<()> {
         let spec = TokenSpec {
             output_len: output.len() as u32,
@@ -77,6 +85,7 @@ impl PyHeldTokens {
             mask,
             stops,
             fixed_schedule,
+            lead,
         };
         let (steps, block_steps, timestep) = counters;
         self.inner

@@ -1,0 +1,114 @@
+"""Decoding a block diffusion model with its exact block KV cache (`CacheMode.BLOCK`)
+gives the tokens of the reference loop, which re-runs the whole prefix every step with the
+block-causal mask and keeps no cache (the release's `generate`), in any batch and after a
+migration."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dilaserve.models import load_model
+from dilaserve.models.testing import write_tiny_checkpoint
+from dilaserve.protocol import CacheMode, RequestState, StepEntry, StepKind, TokenStateError
+from dilaserve.worker.generate import generate
+from dilaserve.worker.runner import StepRunner
+
+BLOCK = 4
+TAU = 0.04  # a random model's confidences are low: this commits several tokens per step
+PROMPTS = [[5, 17, 250, 33, 91, 8, 64, 120, 77, 3], [40, 41, 42, 43], [7, 9]]
+GEN = 10
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    directory = write_tiny_checkpoint(tmp_path_factory.mktemp("llada2"), "llada2", block_length=BLOCK)
+    return load_model(directory)
+
+
+def reference_generate(model, prompt: list[int], gen_length: int, tau: float) -> list[int]:
+    """Every step forwards positions `[0, end of the current block)`; commits the block's
+    masked positions whose confidence reaches τ, at least the most confident one."""
+    mask = model.config.mask_token_id
+    total = -(-(len(prompt) + gen_length) // BLOCK) * BLOCK
+    x = prompt + [mask] * (total - len(prompt))
+    for block in range(len(prompt) // BLOCK, total // BLOCK):
+        start, end = block * BLOCK, (block + 1) * BLOCK
+        while mask in x[start:end]:
+            with torch.no_grad():
+                logits = model(
+                    torch.tensor([x[:end]]), torch.arange(end)[None], torch.ones(1, end, dtype=torch.bool)
+                )[0, start:end]
+            logits[:, mask] = float("-inf")
+            confidence, tokens = logits.softmax(-1).max(-1)
+            masked = [i for i in range(BLOCK) if x[start + i] == mask]
+            picked = [i for i in masked if confidence[i] >= tau]
+            for i in picked or [max(masked, key=lambda i: confidence[i].item())]:
+                x[start + i] = int(tokens[i])
+    return x[len(prompt) :]
+
+
+def runner(model, cache=CacheMode.BLOCK) -> StepRunner:
+    return StepRunner(model, cache=cache, max_requests=4, max_seq_len=64, kv_cache_memory=1 << 22)
+
+
+def test_batched_exact_cache_decoding_matches_the_full_recompute_reference(model):
+    expected = [reference_generate(model, p, GEN, TAU) for p in PROMPTS]
+    batched = generate(runner(model), PROMPTS, gen_length=GEN, threshold=TAU)
+    assert [g.output_ids for g in batched] == expected
+    # Blocks start at absolute multiples of the block length: an output ends where the
+    # block holding its last position ends, counted from the sequence's start.
+    assert [len(e) for e in expected] == [10, 12, 10]
+    alone = [generate(runner(model), [p], gen_length=GEN, threshold=TAU)[0] for p in PROMPTS]
+    assert [g.output_ids for g in alone] == expected
+    # Steps feed only the current block (and the one just finished): far fewer tokens.
+    cached, uncached = runner(model), runner(model, CacheMode.NONE)
+    assert [g.output_ids for g in generate(uncached, PROMPTS, gen_length=GEN, threshold=TAU)] == expected
+    generate(cached, PROMPTS, gen_length=GEN, threshold=TAU)
+    assert cached.forward_tokens < uncached.forward_tokens / 2
+
+
+def test_a_request_migrated_mid_block_resumes_with_a_recompute_step_and_the_same_tokens(model):
+    prompt = PROMPTS[0]
+    expected = reference_generate(model, prompt, 12, TAU)
+    config = model.config
+    state = RequestState.new(
+        1, prompt, 12, block_length=BLOCK, mask_token_id=config.mask_token_id, aligned=True
+    )
+    first, second = runner(model), runner(model)
+    first.add(state)
+    for kind in (StepKind.RECOMPUTE, StepKind.CACHE, StepKind.CACHE):
+        first.step([StepEntry(1, TAU, kind)])
+    assert first.next_kind(1) is StepKind.CACHE
+    second.add(first.export(1))  # any step: the new instance rebuilds the exact prefix
+    assert second.next_kind(1) is StepKind.RECOMPUTE
+    while not second.finished(1):
+        second.step([StepEntry(1, TAU, second.next_kind(1))])
+    assert second.state(1).generated_ids() == expected
+
+
+def test_a_stop_token_in_the_prompt_tail_does_not_end_the_request(model):
+    eos = model.config.eos_token_id
+    state = RequestState.new(
+        1, [5, 6, eos], 6, block_length=BLOCK, mask_token_id=model.config.mask_token_id,
+        stop_token_ids=[eos], aligned=True,
+    )
+    assert state.lead == 3 and state.prompt_ids == [] and not state.done
+    r = runner(model)
+    r.add(state)
+    assert not r.finished(1)
+    r.step([StepEntry(1, TAU, StepKind.RECOMPUTE)])
+    assert not r.finished(1) and r.state(1).output_ids[:3] == [5, 6, eos]
+
+
+def test_cache_modes_and_blocks_must_fit_the_model(model, tmp_path):
+    with pytest.raises(ValueError, match="block diffusion"):
+        runner(model, CacheMode.DUAL)
+    llada = load_model(write_tiny_checkpoint(tmp_path, "llada"))
+    with pytest.raises(ValueError, match="needs a block diffusion model"):
+        runner(llada, CacheMode.BLOCK)
+    r = runner(model)
+    unaligned = RequestState.new(1, [5, 6, 7], 4, block_length=BLOCK, mask_token_id=model.config.mask_token_id)
+    with pytest.raises(TokenStateError, match="aligned"):
+        r.add(unaligned)
+    assert len(r) == 0
