@@ -20,9 +20,11 @@ PROMPTS = [[5, 17, 250, 33, 91, 8, 64, 120, 77, 3], [40, 41, 42, 43], [7, 9]]
 GEN = 10
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    directory = write_tiny_checkpoint(tmp_path_factory.mktemp("llada2"), "llada2", block_length=BLOCK)
+@pytest.fixture(scope="module", params=["llada2", "sdar"])
+def model(request, tmp_path_factory):
+    family = request.param
+    overrides = {"block_length": BLOCK} if family == "llada2" else {}
+    directory = write_tiny_checkpoint(tmp_path_factory.mktemp(family), family, **overrides)
     return load_model(directory)
 
 

@@ -1,5 +1,6 @@
 """Block diffusion families against independent reference forwards written from the
-public implementations (the HF release's `modeling_llada2_moe.py`): eager attention with
+public implementations (the HF release's `modeling_llada2_moe.py`, SDAR's
+`modeling_sdar.py`): eager attention with
 an additive block-causal mask over the whole sequence, experts run token by token. They
 read the saved safetensors by the checkpoint's own names, so a mis-mapped tensor fails."""
 
@@ -119,6 +120,50 @@ def test_llada2_matches_the_reference_forward_over_a_prompt_and_two_blocks(tmp_p
     # The mask matters: without it (a bidirectional forward) the prompt's logits move.
     free = llada2_reference(directory, ids, n)
     assert (free[:8] - expected[:8]).abs().max().item() > 1e-2
+
+
+def sdar_reference(directory, ids: list[int], block: int) -> torch.Tensor:
+    """`SDARForCausalLM.forward` over the whole sequence with the block-causal mask."""
+    cfg = read_config(directory)[1].raw
+    w = load_file(str(directory / "model.safetensors"))
+    eps, heads = cfg["rms_norm_eps"], cfg["num_attention_heads"]
+    kv, d = cfg["num_key_value_heads"], cfg["head_dim"]
+    n = len(ids)
+    positions = torch.arange(n)
+    mask = block_mask(n, block)
+    x = w["model.embed_tokens.weight"][torch.tensor(ids)]
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}"
+        h = rms(x, w[f"{p}.input_layernorm.weight"], eps)
+
+        def heads_of(name: str, count: int, h=h, p=p) -> torch.Tensor:
+            return (h @ w[f"{p}.self_attn.{name}.weight"].T).view(n, count, d).transpose(0, 1)
+
+        q = rms(heads_of("q_proj", heads), w[f"{p}.self_attn.q_norm.weight"], eps)
+        k = rms(heads_of("k_proj", kv), w[f"{p}.self_attn.k_norm.weight"], eps)
+        v = heads_of("v_proj", kv)
+        q = partial_rope(q, positions, d, cfg["rope_theta"])
+        k = partial_rope(k, positions, d, cfg["rope_theta"]).repeat_interleave(heads // kv, 0)
+        v = v.repeat_interleave(heads // kv, dim=0)
+        scores = q @ k.transpose(1, 2) * d**-0.5 + mask
+        attn = (torch.softmax(scores, dim=-1) @ v).transpose(0, 1).reshape(n, heads * d)
+        x = x + attn @ w[f"{p}.self_attn.o_proj.weight"].T
+        x = x + swiglu(rms(x, w[f"{p}.post_attention_layernorm.weight"], eps), w, f"{p}.mlp")
+    x = rms(x, w["model.norm.weight"], eps)
+    return x @ w["lm_head.weight"].T
+
+
+def test_sdar_matches_the_reference_forward_over_a_prompt_and_two_blocks(tmp_path):
+    directory = write_tiny_checkpoint(tmp_path, "sdar")
+    model = load_model(directory)
+    config = model.config
+    assert config.block_size == BLOCK and config.head_dim * config.num_heads != config.hidden_size
+    mask = config.mask_token_id
+    ids = [5, 17, 250, 33, 91, 8, 64, 120, 77, 3, mask, 200, mask, mask, mask, mask]
+    expected = sdar_reference(directory, ids, BLOCK)
+    n = len(ids)
+    got = model(torch.tensor([ids]), torch.arange(n)[None], torch.ones(1, n, dtype=torch.bool))
+    assert (got[0] - expected).abs().max().item() <= 1e-4
 
 
 def test_llada2_config_rejects_what_it_does_not_implement(tmp_path):

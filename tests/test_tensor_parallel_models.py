@@ -243,6 +243,11 @@ LOGITS_CASES = {
     "llada": {"include_bias": True, "weight_tying": True, "embedding_size": 296},
     # GQA (4 query heads, 2 KV heads), QKV bias, shifted logits
     "dream": {},
+    # fused QKV split per part, QK-norm, partial RoPE, block-causal masks, experts split
+    # like the dense MLP with a replicated router, a dense first layer
+    "llada2": {"block_length": 4},
+    # explicit head width (not hidden / heads), block-causal masks
+    "sdar": {},
 }
 
 
@@ -349,3 +354,19 @@ def test_tp2_decodes_exactly_the_tokens_of_tp1_in_every_cache_mode():
     got = run_on_group(2, default_model_dir(), _decode_every_mode, prompts, length, timeout_s=300)
     for cache in CACHE_MODES:
         assert got[cache] == want[cache], cache
+
+
+def _decode_block_diffusion(model, prompts, length) -> list[tuple[list[int], int]]:
+    runner = StepRunner(model, cache="block", max_requests=len(prompts), max_seq_len=64)
+    generations = generate(
+        runner, prompts, gen_length=length, threshold=lambda s: (0.2, 0.05)[s.steps_done % 2]
+    )
+    return [(g.output_ids, g.steps) for g in generations]
+
+
+def test_tp2_decodes_a_moe_block_diffusion_model_exactly_like_tp1(tmp_path):
+    model_dir = write_tiny_checkpoint(tmp_path, "llada2", block_length=4)
+    prompts = [[5, 17, 250, 33, 91, 8, 64], [40, 41, 42, 43], [7]]
+    want = _decode_block_diffusion(load_model(model_dir), prompts, 9)
+    got = run_on_group(2, str(model_dir), _decode_block_diffusion, prompts, 9, timeout_s=300)
+    assert got == want

@@ -27,11 +27,12 @@ from .dream import DREAM
 from .errors import CheckpointError
 from .llada import LLADA
 from .llada2 import LLADA2
+from .sdar import SDAR
 from .model import DiffusionLM
 from .parallel import Collective, Shard, check_degree, fused_segments, split_dim
 from .stop_tokens import read_stop_token_ids
 
-FAMILIES: dict[str, Family] = {family.name: family for family in (LLADA, DREAM, LLADA2)}
+FAMILIES: dict[str, Family] = {family.name: family for family in (LLADA, DREAM, LLADA2, SDAR)}
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -36,6 +36,7 @@ SPECIAL_TOKENS = {
     ],
     "dream": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|beginoftext|>", "<|mask|>"],
     "llada2": ["<|startoftext|>", "<|endoftext|>", "<|role_end|>", "<|mask|>", "<role>", "</role>"],
+    "sdar": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"],
 }
 
 
@@ -206,6 +207,42 @@ def tiny_config(family: str) -> dict[str, Any]:
             "use_rmsnorm": True,
             "vocab_size": TINY_VOCAB,
         }
+    if family == "sdar":
+        return {
+            "architectures": ["SDARForCausalLM"],
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "auto_map": {
+                "AutoConfig": "configuration_sdar.SDARConfig",
+                "AutoModel": "modeling_sdar.SDARModel",
+                "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM",
+            },
+            "block_size": 4,
+            "bos_token_id": ids["<|endoftext|>"],
+            "eos_token_id": ids["<|im_end|>"],
+            "head_dim": 24,
+            "hidden_act": "silu",
+            "hidden_size": 64,
+            "initializer_range": 0.02,
+            "intermediate_size": 128,
+            "mask_token_id": ids["<|MASK|>"],
+            "max_position_embeddings": 1024,
+            "max_window_layers": 2,
+            "model_type": "sdar",
+            "num_attention_heads": 4,
+            "num_hidden_layers": 2,
+            "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-06,
+            "rope_scaling": None,
+            "rope_theta": 1000000,
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "transformers_version": "4.52.4",
+            "use_cache": False,
+            "use_sliding_window": False,
+            "vocab_size": TINY_VOCAB,
+        }
     raise ValueError(f"unknown model family {family!r}; choose one of {sorted(FAMILIES)}")
 
 
@@ -288,6 +325,13 @@ def _special_roles(family: str) -> dict[str, str]:
             "bos_token": "<|startoftext|>",
             "eos_token": "<|endoftext|>",
             "pad_token": "<|endoftext|>",
+        }
+    if family == "sdar":
+        return {
+            "bos_token": "<|endoftext|>",
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "mask_token": "<|MASK|>",
         }
     if family == "llada2":
         return {
