@@ -39,7 +39,9 @@ def reference_generate(model, prompt: list[int], gen_length: int, tau: float) ->
         while mask in x[start:end]:
             with torch.no_grad():
                 logits = model(
-                    torch.tensor([x[:end]]), torch.arange(end)[None], torch.ones(1, end, dtype=torch.bool)
+                    torch.tensor([x[:end]]),
+                    torch.arange(end)[None],
+                    torch.ones(1, end, dtype=torch.bool),
                 )[0, start:end]
             logits[:, mask] = float("-inf")
             confidence, tokens = logits.softmax(-1).max(-1)
@@ -65,7 +67,9 @@ def test_batched_exact_cache_decoding_matches_the_full_recompute_reference(model
     assert [g.output_ids for g in alone] == expected
     # Steps feed only the current block (and the one just finished): far fewer tokens.
     cached, uncached = runner(model), runner(model, CacheMode.NONE)
-    assert [g.output_ids for g in generate(uncached, PROMPTS, gen_length=GEN, threshold=TAU)] == expected
+    assert [
+        g.output_ids for g in generate(uncached, PROMPTS, gen_length=GEN, threshold=TAU)
+    ] == expected
     generate(cached, PROMPTS, gen_length=GEN, threshold=TAU)
     assert cached.forward_tokens < uncached.forward_tokens / 2
 
@@ -92,8 +96,13 @@ def test_a_request_migrated_mid_block_resumes_with_a_recompute_step_and_the_same
 def test_a_stop_token_in_the_prompt_tail_does_not_end_the_request(model):
     eos = model.config.eos_token_id
     state = RequestState.new(
-        1, [5, 6, eos], 6, block_length=BLOCK, mask_token_id=model.config.mask_token_id,
-        stop_token_ids=[eos], aligned=True,
+        1,
+        [5, 6, eos],
+        6,
+        block_length=BLOCK,
+        mask_token_id=model.config.mask_token_id,
+        stop_token_ids=[eos],
+        aligned=True,
     )
     assert state.lead == 3 and state.prompt_ids == [] and not state.done
     r = runner(model)
@@ -110,7 +119,9 @@ def test_cache_modes_and_blocks_must_fit_the_model(model, tmp_path):
     with pytest.raises(ValueError, match="needs a block diffusion model"):
         runner(llada, CacheMode.BLOCK)
     r = runner(model)
-    unaligned = RequestState.new(1, [5, 6, 7], 4, block_length=BLOCK, mask_token_id=model.config.mask_token_id)
+    unaligned = RequestState.new(
+        1, [5, 6, 7], 4, block_length=BLOCK, mask_token_id=model.config.mask_token_id
+    )
     with pytest.raises(TokenStateError, match="aligned"):
         r.add(unaligned)
     assert len(r) == 0

@@ -153,7 +153,8 @@ class RequestState:
         state = cls(
             request_id=request_id,
             prompt_ids=prompt[: len(prompt) - lead],
-            output_ids=tail + [mask_token_id] * (whole_blocks(gen_length + lead, block_length) - lead),
+            output_ids=tail
+            + [mask_token_id] * (whole_blocks(gen_length + lead, block_length) - lead),
             block_length=block_length,
             mask_token_id=mask_token_id,
             stop_token_ids=list(stop_token_ids),

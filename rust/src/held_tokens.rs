@@ -256,7 +256,11 @@ impl HeldTokens {
         };
         for (i, (h, kind)) in rows.iter().zip(kinds).enumerate() {
             let (start, seq) = (h.block_start(), h.seq_length());
-            let window = if self.exact { CacheWindow::Exact } else { window };
+            let window = if self.exact {
+                CacheWindow::Exact
+            } else {
+                window
+            };
             let (begin, end) = match (kind, window) {
                 (StepKind::Cache, CacheWindow::Block) => (start - shift, h.block_end()),
                 (StepKind::Cache, CacheWindow::Suffix) => (start - shift, seq),
@@ -283,7 +287,8 @@ impl HeldTokens {
                 out.candidate.push(i64::from(j < c.len()));
             }
             out.lengths.push((end - begin) as u32);
-            out.seq_lengths.push(if self.exact { end } else { seq } as u32);
+            out.seq_lengths
+                .push(if self.exact { end } else { seq } as u32);
         }
         Ok(out)
     }
@@ -452,24 +457,39 @@ mod tests {
         };
         let output = [3, EOS, MASK, MASK, MASK, MASK, MASK, MASK];
         t.add(1, vec![1, 2], &lead, &output, [0, 0, 0]).unwrap();
-        assert!(!t.done(1).unwrap(), "a stop token in the lead is the prompt's");
+        assert!(
+            !t.done(1).unwrap(),
+            "a stop token in the lead is the prompt's"
+        );
         let kinds = [StepKind::Recompute];
-        let p = t.pack(&[1], &kinds, CacheWindow::Block, 0, Some(&[0])).unwrap();
+        let p = t
+            .pack(&[1], &kinds, CacheWindow::Block, 0, Some(&[0]))
+            .unwrap();
         // A recompute feeds up to the end of the current block, never the blocks after it.
-        assert_eq!((p.positions.clone(), p.seq_lengths.clone()), ((0..6).collect(), vec![6]));
+        assert_eq!(
+            (p.positions.clone(), p.seq_lengths.clone()),
+            ((0..6).collect(), vec![6])
+        );
         assert_eq!(p.index, vec![4, 5]);
         // Commit both masked positions: the block ends; its K/V written so far is stale.
         let host = row(2, &[true, true], &[8, 9]);
         t.commit(&[1], &kinds, &host).unwrap();
-        assert!(t.cache_valid(1).unwrap(), "the exact cache survives the block's end");
+        assert!(
+            t.cache_valid(1).unwrap(),
+            "the exact cache survives the block's end"
+        );
         let cache = [StepKind::Cache];
-        let p = t.pack(&[1], &cache, CacheWindow::Block, 0, Some(&[0])).unwrap();
+        let p = t
+            .pack(&[1], &cache, CacheWindow::Block, 0, Some(&[0]))
+            .unwrap();
         // The next step feeds the finished block (its final K/V) and the new one.
         assert_eq!(p.positions, (2..10).collect::<Vec<i64>>());
         assert_eq!(p.seq_lengths, vec![10]);
         assert_eq!(p.index[..1], [4]);
         t.commit(&[1], &cache, &row(4, &[true], &[10])).unwrap();
-        let p = t.pack(&[1], &cache, CacheWindow::Block, 0, Some(&[0])).unwrap();
+        let p = t
+            .pack(&[1], &cache, CacheWindow::Block, 0, Some(&[0]))
+            .unwrap();
         assert_eq!(p.positions, (6..10).collect::<Vec<i64>>());
     }
 

@@ -27,9 +27,9 @@ from .dream import DREAM
 from .errors import CheckpointError
 from .llada import LLADA
 from .llada2 import LLADA2
-from .sdar import SDAR
 from .model import DiffusionLM
 from .parallel import Collective, Shard, check_degree, fused_segments, split_dim
+from .sdar import SDAR
 from .stop_tokens import read_stop_token_ids
 
 FAMILIES: dict[str, Family] = {family.name: family for family in (LLADA, DREAM, LLADA2, SDAR)}

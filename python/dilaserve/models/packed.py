@@ -108,7 +108,11 @@ def attend(
             and q.dtype != torch.float32
         ):
             return _flash_varlen(q, k, v, q_lengths, lengths)
-        if len(set(lengths)) == 1 and len(set(q_lengths)) == 1 and (masks is None or stacked is not None):
+        if (
+            len(set(lengths)) == 1
+            and len(set(q_lengths)) == 1
+            and (masks is None or stacked is not None)
+        ):
             return _sdpa(_rows(q, rows), _rows(k, rows), _rows(v, rows), stacked).reshape(q.shape)
         keys, values = list(k.split(lengths)), list(v.split(lengths))
     row_masks = [None] * rows if masks is None else [m[None, None] for m in masks]
