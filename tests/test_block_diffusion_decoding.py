@@ -125,3 +125,25 @@ def test_cache_modes_and_blocks_must_fit_the_model(model, tmp_path):
     with pytest.raises(TokenStateError, match="aligned"):
         r.add(unaligned)
     assert len(r) == 0
+
+
+def test_the_generate_command_decodes_a_block_diffusion_checkpoint_with_its_exact_cache(
+    tmp_path, capsys
+):
+    from dilaserve.cli import main
+
+    directory = write_tiny_checkpoint(tmp_path, "llada2", block_length=BLOCK)
+    args = ["generate", "12+34=", "--model", str(directory), "--max-tokens", "6", "--stats"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "committed_tokens=" in err and int(err.split("committed_tokens=")[1].split()[0]) <= 8
+    assert main([*args, "--cache", "dual"]) == 2
+    assert "exact" in capsys.readouterr().err
+
+
+def test_serving_a_block_diffusion_checkpoint_is_refused_with_a_clear_error(tmp_path, capsys):
+    from dilaserve.cli import main
+
+    directory = write_tiny_checkpoint(tmp_path, "sdar")
+    assert main(["serve", "--model", str(directory), "--port", "0"]) == 2
+    assert "dilaserve generate" in capsys.readouterr().err

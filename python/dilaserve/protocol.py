@@ -250,8 +250,8 @@ class RequestState:
 
     @property
     def num_committed(self) -> int:
-        """Output positions unmasked so far (EOS padding included)."""
-        return self.output_length - self.num_masked
+        """Output positions unmasked so far (EOS padding included, the lead not)."""
+        return self.output_length - self.lead - self.num_masked
 
     def first_masked(self) -> int | None:
         """Output index of the first masked position, None when all are unmasked."""

@@ -7,8 +7,9 @@ import sys
 
 from dilaserve.cli.common import add_model_arguments, load_model_from_args, model_dir
 from dilaserve.models import encode_prompt, load_tokenizer
+from dilaserve.protocol import CacheMode
 from dilaserve.worker.generate import generate
-from dilaserve.worker.runner import StepRunner
+from dilaserve.worker.runner import StepRunner, default_cache_mode
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -22,8 +23,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("prompt", help='e.g. "12345+67890="')
     p.add_argument("--threshold", type=float, default=0.9, help="confidence threshold τ")
-    p.add_argument("--cache", default="dual", choices=["none", "prefix", "dual"])
-    p.add_argument("--block-length", type=int, default=32)
+    p.add_argument(
+        "--cache",
+        default=None,
+        choices=[m.value for m in CacheMode],
+        help="KV cache (default: 'block', the exact cache, for a block diffusion model; "
+        "else 'dual')",
+    )
+    p.add_argument(
+        "--block-length",
+        type=int,
+        default=None,
+        help="default: a block diffusion model's own (its blocks are the model's), else 32",
+    )
     p.add_argument(
         "--max-tokens",
         type=int,
@@ -39,12 +51,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if not 0.0 <= args.threshold <= 1.0:
         raise ValueError(f"--threshold must be in [0, 1], got {args.threshold}")
-    if args.block_length <= 0 or (args.max_tokens is not None and args.max_tokens <= 0):
+    if (args.block_length is not None and args.block_length <= 0) or (
+        args.max_tokens is not None and args.max_tokens <= 0
+    ):
         raise ValueError("--block-length and --max-tokens must be positive")
     tokenizer = load_tokenizer(model_dir(args))
     prompt_ids = encode_prompt(tokenizer, args.prompt)
     model = load_model_from_args(args)
-    runner = StepRunner(model, cache=args.cache, max_requests=1)
+    cache = args.cache or default_cache_mode(model.config.block_size)
+    runner = StepRunner(model, cache=cache, max_requests=1)
     (result,) = generate(
         runner,
         [prompt_ids],

@@ -29,6 +29,7 @@ from dilaserve.engine import (
     LocalLauncher,
 )
 from dilaserve.engine.config import ENGINE_SCHEDULER_SETTINGS
+from dilaserve.models import read_config
 from dilaserve.protocol import CacheMode
 from dilaserve.scheduler import POLICY_SETTINGS, PRESETS, Policy
 from dilaserve.server import ServerSettings, bind, serve
@@ -244,6 +245,11 @@ def engine_config(values: dict) -> EngineConfig:
         instances = (1,) * torch.cuda.device_count()
     else:
         instances = (1,) * min(2, os.cpu_count() or 1)
+    if values["model"] and read_config(values["model"])[1].block_size:
+        raise ValueError(
+            f"{values['model']} is a block diffusion model (LLaDA2.x, SDAR): the engine does "
+            "not serve these yet; decode offline with `dilaserve generate`"
+        )
     return EngineConfig(
         model=values["model"],
         instances=instances,

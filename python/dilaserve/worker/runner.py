@@ -72,6 +72,12 @@ from dilaserve.worker.tp_group import TensorParallelGroup
 _KIND_CODES = {StepKind(k): code for code, k in enumerate(STEP_KINDS)}
 
 
+def default_cache_mode(block_size: int) -> CacheMode:
+    """The exact cache for a block diffusion model (`block_size` > 0), else the dual
+    cache."""
+    return CacheMode.BLOCK if block_size else CacheMode.DUAL
+
+
 def check_cache_mode(block_size: int, cache: CacheMode) -> None:
     """A block diffusion model (`block_size` > 0) runs with its exact cache or none; the
     block cache needs such a model."""
