@@ -141,9 +141,34 @@ def test_the_generate_command_decodes_a_block_diffusion_checkpoint_with_its_exac
     assert "exact" in capsys.readouterr().err
 
 
-def test_serving_a_block_diffusion_checkpoint_is_refused_with_a_clear_error(tmp_path, capsys):
+def test_serving_a_block_diffusion_checkpoint_with_an_approximate_cache_is_refused(
+    tmp_path, capsys
+):
     from dilaserve.cli import main
 
     directory = write_tiny_checkpoint(tmp_path, "sdar")
-    assert main(["serve", "--model", str(directory), "--port", "0"]) == 2
-    assert "dilaserve generate" in capsys.readouterr().err
+    assert main(["serve", "--model", str(directory), "--cache", "dual", "--port", "0"]) == 2
+    assert "caches exactly" in capsys.readouterr().err
+
+
+def test_the_engine_serves_a_block_diffusion_model_with_the_tokens_of_offline_decoding(
+    tmp_path, tiny_profile
+):
+    from dilaserve.engine import EngineConfig, GenerationParams
+    from dilaserve.engine.offline import LLM
+
+    directory = write_tiny_checkpoint(tmp_path, "llada2", block_length=BLOCK)
+    model = load_model(directory)
+    want = generate(runner(model), PROMPTS, gen_length=GEN, threshold=TAU, stop_at_eos=True)
+    config = EngineConfig(
+        model=str(directory),
+        cache=CacheMode.BLOCK,
+        instances=(1,),
+        profile=tiny_profile,
+        threads_per_worker=1,
+    )
+    with LLM(config) as llm:
+        params = GenerationParams(max_tokens=GEN, threshold=TAU)
+        outputs = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in outputs] == [g.output_ids for g in want]
+    assert all(o.finished for o in outputs) and sum(len(g.output_ids) for g in want) >= 10

@@ -55,6 +55,25 @@ class CacheMode(enum.StrEnum):
     DUAL = "dual"
     BLOCK = "block"
 
+    @classmethod
+    def default_for(cls, block_size: int) -> CacheMode:
+        """The exact cache for a block diffusion model (`block_size` > 0), else the dual
+        cache."""
+        return cls.BLOCK if block_size else cls.DUAL
+
+    def check_model(self, block_size: int) -> None:
+        """Raises `ValueError` unless this mode fits the model: a block diffusion model
+        (`block_size` > 0) runs with its exact cache or none; the block cache needs one."""
+        if block_size and self in (CacheMode.PREFIX, CacheMode.DUAL):
+            raise ValueError(
+                f"cache mode {self} approximates bidirectional attention; a block diffusion "
+                f"model caches exactly: use '{CacheMode.BLOCK}' (or '{CacheMode.NONE}')"
+            )
+        if not block_size and self is CacheMode.BLOCK:
+            raise ValueError(
+                f"cache mode '{CacheMode.BLOCK}' needs a block diffusion model (LLaDA2.x, SDAR)"
+            )
+
     def step_kinds(self) -> tuple[StepKind, ...]:
         """Step kinds an instance in this mode executes."""
         if self is CacheMode.NONE:

@@ -578,6 +578,7 @@ class Scheduler:
         mask_token: int | None = None,
         stop_tokens: Sequence[int] = (),
         fixed_schedule: bool = False,
+        lead_tokens: Sequence[int] = (),
     ) -> None:
         """Admits a request; `deadline` is absolute, on the clock of `schedule(now)`.
 
@@ -585,7 +586,9 @@ class Scheduler:
         state: step reports are then applied with `apply_report`, which knows the request
         is done once every output position is unmasked or one of `stop_tokens` is committed
         with everything before it unmasked. `fixed_schedule`: the request ignores τ (its
-        commits are left out of `ReportOutcome.rates`).
+        commits are left out of `ReportOutcome.rates`). `lead_tokens`: the prompt's tail
+        that opens a block diffusion request's first output block (`RequestState.lead`),
+        counted in `output_len` and never in its text.
 
         `thresholds` restricts the candidates it may run at; `pinned_tau` instead runs every
         step at exactly that value, a candidate or not (planned with the nearest
@@ -612,6 +615,7 @@ class Scheduler:
             mask_token=mask_token,
             stop_tokens=list(stop_tokens),
             fixed_schedule=fixed_schedule,
+            lead_tokens=list(lead_tokens),
         )
 
     def apply_report(self, instance: int, measured_s: float, report: StepReport) -> ReportOutcome:

@@ -45,6 +45,8 @@ pub struct Tokens {
     stop_at: Option<u32>,
     /// Complete blocks already handed out as text (see [`TokenTable::apply`]).
     reported_blocks: u32,
+    /// Leading positions that hold the prompt's tail ([`TokenSpec::lead`]).
+    lead: u32,
     pub steps_done: u32,
     pub block_steps: u32,
     pub timestep: u32,
@@ -85,6 +87,7 @@ impl Tokens {
             complete: 0,
             stop_at: None,
             reported_blocks: 0,
+            lead: spec.lead,
             steps_done: 0,
             block_steps: 0,
             timestep: 0,
@@ -181,18 +184,18 @@ impl Tokens {
         }
     }
 
-    /// Output ids cut before the first stop token.
+    /// Output ids after the lead, cut before the first stop token.
     pub fn generated(&self) -> &[u32] {
         let end = self.stop_at.map_or(self.output.len(), |s| s as usize);
-        &self.output[..end]
+        &self.output[self.lead as usize..end]
     }
 
-    /// Output ids of the complete blocks, cut before the first stop token: text that never
-    /// changes.
+    /// Output ids of the complete blocks after the lead, cut before the first stop token:
+    /// text that never changes.
     pub fn complete_ids(&self) -> &[u32] {
         let end = (self.complete * self.block_length) as usize;
         let end = self.stop_at.map_or(end, |s| end.min(s as usize));
-        &self.output[..end]
+        &self.output[self.lead as usize..end.max(self.lead as usize)]
     }
 
     /// Generated positions that hold a token (EOS padding after a stop is cut off).

@@ -9,7 +9,7 @@ from dilaserve.cli.common import add_model_arguments, load_model_from_args, mode
 from dilaserve.models import encode_prompt, load_tokenizer
 from dilaserve.protocol import CacheMode
 from dilaserve.worker.generate import generate
-from dilaserve.worker.runner import StepRunner, default_cache_mode
+from dilaserve.worker.runner import StepRunner
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(model_dir(args))
     prompt_ids = encode_prompt(tokenizer, args.prompt)
     model = load_model_from_args(args)
-    cache = args.cache or default_cache_mode(model.config.block_size)
+    cache = args.cache or CacheMode.default_for(model.config.block_size)
     runner = StepRunner(model, cache=cache, max_requests=1)
     (result,) = generate(
         runner,

@@ -48,7 +48,7 @@ DEFAULTS = {
     "served_model_name": None,
     "instances": None,
     "device_slots": None,
-    "cache": "dual",
+    "cache": None,
     "slo_scale": 5.0,
     "policy": "dilaserve",
     "max_accuracy_drop": 3.0,
@@ -93,7 +93,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "this machine: one TP-1 instance per GPU, or per CPU core up to 2)",
     )
     p.add_argument("--device-slots", type=int, help="GPUs (or CPU slots) instances may use")
-    p.add_argument("--cache", choices=[m.value for m in CacheMode])
+    p.add_argument(
+        "--cache",
+        choices=[m.value for m in CacheMode],
+        help="KV cache (default: 'block', the exact cache, for a block diffusion model; "
+        "else 'dual')",
+    )
     p.add_argument("--slo-scale", type=float, help="default SLO = scale x isolated latency")
     p.add_argument(
         "--policy",
@@ -245,16 +250,14 @@ def engine_config(values: dict) -> EngineConfig:
         instances = (1,) * torch.cuda.device_count()
     else:
         instances = (1,) * min(2, os.cpu_count() or 1)
-    if values["model"] and read_config(values["model"])[1].block_size:
-        raise ValueError(
-            f"{values['model']} is a block diffusion model (LLaDA2.x, SDAR): the engine does "
-            "not serve these yet; decode offline with `dilaserve generate`"
-        )
+    block = read_config(values["model"])[1].block_size if values["model"] else 0
+    cache = CacheMode(values["cache"]) if values["cache"] else CacheMode.default_for(block)
+    cache.check_model(block)
     return EngineConfig(
         model=values["model"],
         instances=instances,
         device_slots=values["device_slots"],
-        cache=CacheMode(values["cache"]),
+        cache=cache,
         dtype=values["dtype"] or default_dtype(device),
         device=device,
         slo_scale=values["slo_scale"],

@@ -72,6 +72,7 @@ class RequestBuilder:
         self.profile = profile
         self.prompts = PromptEncoder(model_dir)
         self.model_config = self.prompts.model_config
+        config.cache.check_model(self.model_config.block_size)
         self.tokenizer = self.prompts.tokenizer
 
     def build(
@@ -82,8 +83,18 @@ class RequestBuilder:
         params.validate()
         ids = self.prompts.prompt_ids(prompt)
         c, mc = self.config, self.model_config
-        block_length = params.block_length or c.block_length
-        positions = whole_blocks(params.max_tokens or c.default_max_tokens, block_length)
+        block_length = params.block_length or mc.block_size or c.block_length
+        if mc.block_size and block_length != mc.block_size:
+            raise BadRequestError(
+                f"block_length {block_length}: this block diffusion model decodes blocks of "
+                f"{mc.block_size} positions"
+            )
+        # A block diffusion model's blocks are absolute: its first opens with the prompt's
+        # tail (`RequestState.lead`).
+        aligned = bool(mc.block_size)
+        lead = len(ids) % block_length if aligned else 0
+        max_tokens = params.max_tokens or c.default_max_tokens
+        positions = whole_blocks(max_tokens + lead, block_length) - lead
         if len(ids) + positions > mc.max_position_embeddings:
             raise BadRequestError(
                 f"{len(ids)} prompt tokens plus {positions} output positions exceed the "
@@ -93,7 +104,7 @@ class RequestBuilder:
             state = RequestState.new(
                 request_id,
                 ids,
-                params.max_tokens or c.default_max_tokens,
+                max_tokens,
                 block_length=block_length,
                 mask_token_id=mc.mask_token_id,
                 stop_token_ids=mc.stop_token_ids if c.stop_at_eos else (),
@@ -104,6 +115,7 @@ class RequestBuilder:
                 top_p=params.top_p,
                 top_k=params.top_k,
                 seed=params.seed,
+                aligned=aligned,
             )
         except TokenStateError as exc:
             raise BadRequestError(str(exc)) from exc

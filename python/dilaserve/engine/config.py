@@ -13,12 +13,13 @@ from dilaserve.settings import settings_class
 
 from .errors import BadRequestError
 
-#: Scheduler settings the engine takes (`caching` follows its `cache` mode). The engine
-#: overlaps steps unless told not to; the core's default (off) is the simulator's.
+#: Scheduler settings the engine takes (`caching` and `exact_cache` follow its `cache`
+#: mode). The engine overlaps steps unless told not to; the core's default (off) is the
+#: simulator's.
 ENGINE_SCHEDULER_SETTINGS = [
     {**f, "default": True} if f["name"] == "overlap" else f
     for f in SCHEDULER_SETTINGS
-    if f["name"] != "caching"
+    if f["name"] not in ("caching", "exact_cache")
 ]
 
 
@@ -92,7 +93,12 @@ class _EngineSettings:
         """The scheduler's settings of this engine; `predictor` names its step predictor
         (`SchedulerConfig`'s predictor fields)."""
         shared = {f["name"]: getattr(self, f["name"]) for f in ENGINE_SCHEDULER_SETTINGS}
-        return SchedulerConfig(**shared, caching=self.cache is not CacheMode.NONE, **predictor)
+        return SchedulerConfig(
+            **shared,
+            caching=self.cache is not CacheMode.NONE,
+            exact_cache=self.cache is CacheMode.BLOCK,
+            **predictor,
+        )
 
     @property
     def measured_degrees(self) -> tuple[int, ...]:
@@ -115,7 +121,7 @@ EngineConfig = settings_class(
     "EngineConfig",
     ENGINE_SCHEDULER_SETTINGS,
     doc="""How the engine serves one model: its own settings and the scheduler's (the core's
-    `SchedulerConfig`, `caching` aside: it follows `cache`).
+    `SchedulerConfig`, `caching` and `exact_cache` aside: they follow `cache`).
 
     `instances` lists the TP degree of each instance started with the engine; instances
     take device slots `0, 1, ...` of one node with `device_slots` slots (GPUs, or virtual

@@ -297,6 +297,7 @@ class Engine:
                 mask_token=state.mask_token_id,
                 stop_tokens=state.stop_token_ids,
                 fixed_schedule=state.steps_per_block is not None,
+                lead_tokens=state.output_ids[: state.lead],
             )
         except AdmissionError as exc:
             raise OverloadedError(str(exc)) from exc

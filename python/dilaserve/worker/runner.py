@@ -72,26 +72,6 @@ from dilaserve.worker.tp_group import TensorParallelGroup
 _KIND_CODES = {StepKind(k): code for code, k in enumerate(STEP_KINDS)}
 
 
-def default_cache_mode(block_size: int) -> CacheMode:
-    """The exact cache for a block diffusion model (`block_size` > 0), else the dual
-    cache."""
-    return CacheMode.BLOCK if block_size else CacheMode.DUAL
-
-
-def check_cache_mode(block_size: int, cache: CacheMode) -> None:
-    """A block diffusion model (`block_size` > 0) runs with its exact cache or none; the
-    block cache needs such a model."""
-    if block_size and cache in (CacheMode.PREFIX, CacheMode.DUAL):
-        raise ValueError(
-            f"cache mode {cache} approximates bidirectional attention; a block diffusion "
-            f"model caches exactly: use '{CacheMode.BLOCK}' (or '{CacheMode.NONE}')"
-        )
-    if not block_size and cache is CacheMode.BLOCK:
-        raise ValueError(
-            f"cache mode '{CacheMode.BLOCK}' needs a block diffusion model (LLaDA2.x, SDAR)"
-        )
-
-
 @dataclass
 class _Held:
     """A request resident on this runner: its decoding options and whether it holds a KV
@@ -127,7 +107,7 @@ class StepRunner:
         self.config = model.config
         self.device = next(model.parameters()).device
         self.cache_mode = CacheMode(cache)
-        check_cache_mode(self.config.block_size, self.cache_mode)
+        self.cache_mode.check_model(self.config.block_size)
         self._step_kinds = self.cache_mode.step_kinds()
         self.max_seq_len = max_seq_len or self.config.max_position_embeddings
         self.group: TensorParallelGroup | None = getattr(model, "group", None)

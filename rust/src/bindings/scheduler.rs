@@ -265,11 +265,12 @@ impl PyScheduler {
     #[pyo3(signature = (
         id, *, arrival, deadline, prompt_len, output_len, priority=0, block_length=None,
         thresholds=None, explicit_deadline=true, pinned_tau=None, mask_token=None,
-        stop_tokens=Vec::new(), fixed_schedule=false,
+        stop_tokens=Vec::new(), fixed_schedule=false, lead_tokens=Vec::new(),
     ))]
     #[allow(clippy::too_many_arguments)]
     /// With `mask_token`, the scheduler also keeps the request's token state (see
-    /// `apply_report`); `block_length` is then required.
+    /// `apply_report`); `block_length` is then required. `lead_tokens`: the prompt's tail
+    /// that opens a block diffusion request's first output block (`RequestSpec::lead`).
     fn arrive(
         &mut self,
         id: Id,
@@ -285,9 +286,11 @@ impl PyScheduler {
         mask_token: Option<u32>,
         stop_tokens: Vec<u32>,
         fixed_schedule: bool,
+        lead_tokens: Vec<u32>,
     ) -> PyResult<()> {
         let id = id.0;
         let invalid = |reason| SchedError::InvalidRequest { id, reason };
+        let lead = lead_tokens.len() as u32;
         let tokens = mask_token
             .map(|mask| {
                 let spec = TokenSpec {
@@ -296,9 +299,14 @@ impl PyScheduler {
                     mask,
                     stops: stop_tokens,
                     fixed_schedule,
-                    lead: 0,
+                    lead,
                 };
-                Tokens::new(&spec).map_err(invalid)
+                if lead_tokens.contains(&mask) || lead as usize > spec.output_len as usize {
+                    return Err(invalid("the prompt's tail holds the mask token".into()));
+                }
+                let mut output = lead_tokens.clone();
+                output.resize(spec.output_len as usize, mask);
+                Tokens::resume(&spec, &output, [0, 0, 0]).map_err(invalid)
             })
             .transpose()?;
         let spec = RequestSpec {
@@ -314,6 +322,7 @@ impl PyScheduler {
             thresholds,
             pinned_tau,
             explicit_deadline,
+            lead,
         };
         self.inner.arrive(spec)?;
         if let Some(tokens) = tokens {

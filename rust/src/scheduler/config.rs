@@ -356,6 +356,10 @@ settings! {
         pub block_length: u32 = 32,
         /// Approximate KV cache on (recompute and cache steps) or off (no-cache steps).
         pub caching: bool = true,
+        /// *(ours)* With caching: the cache is block diffusion's exact one, whose K/V stays
+        /// valid past a block's end, so only a request's first step on an instance
+        /// recomputes.
+        pub exact_cache: bool = false,
         /// Most tokens one instance step may process (the planner's batch size).
         pub max_batch_tokens: u64 = 8192,
         /// *(ours)* Decide an instance's next step while its current one runs (one step

@@ -382,7 +382,7 @@ impl Scheduler {
 
     /// Advances one request by a step run at `tau` that committed `committed` tokens.
     fn commit(&mut self, pos: u32, committed: u32, eos: bool, tau: f64) -> Commit {
-        let caching = self.config.caching;
+        let (caching, exact) = (self.config.caching, self.config.exact_cache);
         self.requests.set_ready(pos, true);
         let r = self.requests.req_mut(pos);
         let was_full = r.needs_recompute();
@@ -396,7 +396,7 @@ impl Scheduler {
             r.current_block += 1;
             r.unmasked_in_block = 0;
             r.block_steps = 0;
-            if caching {
+            if caching && !exact {
                 r.next_kind = StepKind::Recompute;
             }
         } else if caching {

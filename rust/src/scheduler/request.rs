@@ -31,6 +31,10 @@ pub struct RequestSpec {
     /// The caller asked for this deadline. A request whose deadline is only the server's
     /// default is never refused for a predicted miss: admission serves it best-effort.
     pub explicit_deadline: bool,
+    /// Leading output positions that arrive unmasked: a block diffusion model's first
+    /// block may begin inside the prompt (blocks of absolute positions), and those are
+    /// the prompt's tail. Counted in `output_len`.
+    pub lead: u32,
 }
 
 impl RequestSpec {
@@ -47,6 +51,7 @@ impl RequestSpec {
             thresholds: None,
             pinned_tau: None,
             explicit_deadline: true,
+            lead: 0,
         }
     }
 }
@@ -185,6 +190,12 @@ impl Request {
         if block_length == 0 {
             return Err(invalid("block size must be at least 1".into()));
         }
+        if spec.lead >= block_length.min(spec.output_len) {
+            return Err(invalid(format!(
+                "a lead of {} positions does not fit in a first block of {block_length}",
+                spec.lead
+            )));
+        }
         let blocks = spec.output_len.div_ceil(block_length);
         let output_len = blocks
             .checked_mul(block_length)
@@ -222,8 +233,8 @@ impl Request {
             steps_done: 0,
             tau_sum: 0.0,
             block_steps: 0,
-            unmasked: 0,
-            unmasked_in_block: 0,
+            unmasked: spec.lead,
+            unmasked_in_block: spec.lead,
             current_block: 0,
             next_kind,
             home: None,
