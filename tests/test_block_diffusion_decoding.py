@@ -172,3 +172,30 @@ def test_the_engine_serves_a_block_diffusion_model_with_the_tokens_of_offline_de
         outputs = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in outputs] == [g.output_ids for g in want]
     assert all(o.finished for o in outputs) and sum(len(g.output_ids) for g in want) >= 10
+
+
+def test_llada2s_threshold_with_a_floor_commits_at_least_the_schedules_share(model):
+    """`generate(threshold, steps)` of the release: every position above τ, and at least
+    the block's share of `steps` per step (here 2 steps per block of 4: 2 per step)."""
+    mask = model.config.mask_token_id
+    r = runner(model)
+    for rid, floor in ((1, True), (2, False), (3, True)):
+        r.add(
+            RequestState.new(
+                rid,
+                PROMPTS[1],
+                8,
+                block_length=BLOCK,
+                mask_token_id=mask,
+                aligned=True,
+                steps_per_block=2 if floor else None,
+                threshold_floor=floor,
+            )
+        )
+    # τ = 1 commits nothing by itself: the floor commits the share, the plain rule one;
+    # τ = 0 commits past the floor.
+    taus = {1: 1.0, 2: 1.0, 3: 0.0}
+    report = r.step([StepEntry(rid, tau, StepKind.RECOMPUTE) for rid, tau in taus.items()])
+    assert [len(o.committed_positions) for o in report.outputs] == [2, 1, 4]
+    with pytest.raises(TokenStateError, match="floor"):
+        RequestState.new(4, [1], 4, block_length=BLOCK, mask_token_id=mask, threshold_floor=True)

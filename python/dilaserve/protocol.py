@@ -112,6 +112,9 @@ class RequestState:
     #: committing its best positions in equal shares (LLaDA) or by Dream's timestep grid
     #: under a Dream `alg`. None: threshold rule.
     steps_per_block: int | None = None
+    #: With `steps_per_block`: the threshold rule still decides, but each step commits at
+    #: least the schedule's share — LLaDA2's `generate(threshold=..., steps=...)`.
+    threshold_floor: bool = False
     #: Dream's rule ordering positions (and what τ is compared with); None: LLaDA's and
     #: Fast-dLLM's — the argmax (or Gumbel sample) and its noiseless probability.
     alg: ConfidenceRule | None = None
@@ -149,6 +152,7 @@ class RequestState:
         stop_token_ids: Sequence[int] = (),
         temperature: float = 0.0,
         steps_per_block: int | None = None,
+        threshold_floor: bool = False,
         alg: ConfidenceRule | str | None = None,
         alg_temp: float = 0.0,
         top_p: float = 1.0,
@@ -179,6 +183,7 @@ class RequestState:
             stop_token_ids=list(stop_token_ids),
             temperature=temperature,
             steps_per_block=steps_per_block,
+            threshold_floor=threshold_floor,
             alg=None if alg is None else ConfidenceRule(alg),
             alg_temp=alg_temp,
             top_p=top_p,
@@ -217,6 +222,11 @@ class RequestState:
             )
         if self.mask_token_id in self.stop_token_ids:
             raise TokenStateError(f"request {rid}: the mask token cannot be a stop token")
+        if self.threshold_floor and (self.steps_per_block is None or self.alg is not None):
+            raise TokenStateError(
+                f"request {rid}: a threshold floor needs steps_per_block and LLaDA's "
+                "confidence (no alg)"
+            )
         problem = option_problem(
             alg=self.alg,
             alg_temp=self.alg_temp,

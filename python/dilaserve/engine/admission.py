@@ -110,6 +110,7 @@ class RequestBuilder:
                 stop_token_ids=mc.stop_token_ids if c.stop_at_eos else (),
                 temperature=params.temperature,
                 steps_per_block=params.steps_per_block,
+                threshold_floor=params.threshold_floor,
                 alg=params.alg,
                 alg_temp=params.alg_temp,
                 top_p=params.top_p,

@@ -149,6 +149,9 @@ class GenerationParams:
     temperature: float = 0.0
     #: The fixed schedule (this many steps per block, τ ignored); None: threshold rule.
     steps_per_block: int | None = None
+    #: With `steps_per_block`: the threshold rule, committing at least the schedule's
+    #: share each step (LLaDA2's `threshold` with `steps`).
+    threshold_floor: bool = False
     #: Dream's rule ordering positions (`maskgit_plus`, `topk_margin`, `entropy`,
     #: `origin`); None: the argmax's (or sample's) noiseless probability.
     alg: ConfidenceRule | str | None = None
@@ -175,6 +178,8 @@ class GenerationParams:
             raise BadRequestError(f"temperature must be in [0, 2], got {self.temperature}")
         if self.steps_per_block is not None and self.steps_per_block <= 0:
             raise BadRequestError(f"steps_per_block must be positive, got {self.steps_per_block}")
+        if self.threshold_floor and (self.steps_per_block is None or self.alg is not None):
+            raise BadRequestError("threshold_floor needs steps_per_block and no alg")
         problem = option_problem(
             alg=self.alg,
             alg_temp=self.alg_temp,

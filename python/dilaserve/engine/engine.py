@@ -296,7 +296,7 @@ class Engine:
                 pinned_tau=pinned,
                 mask_token=state.mask_token_id,
                 stop_tokens=state.stop_token_ids,
-                fixed_schedule=state.steps_per_block is not None,
+                fixed_schedule=state.steps_per_block is not None and not state.threshold_floor,
                 lead_tokens=state.output_ids[: state.lead],
             )
         except AdmissionError as exc:

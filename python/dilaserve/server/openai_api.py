@@ -1,6 +1,6 @@
 """OpenAI request shapes, decoded and type-checked by `msgspec`, plus DiLaServe's own
-fields: `slo_ms`, `confidence_threshold`, `block_length`, `steps_per_block`, `priority`,
-and Dream's `alg`, `alg_temp` and `top_k`.
+fields: `slo_ms`, `confidence_threshold`, `block_length`, `steps_per_block`,
+`threshold_floor`, `priority`, and Dream's `alg`, `alg_temp` and `top_k`.
 
 Every field of OpenAI's schema for the two operations is declared here and either
 honoured or, set to anything but its neutral value, refused with a 400 that names it
@@ -97,6 +97,7 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     confidence_threshold: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = None
     block_length: Count | None = None
     steps_per_block: Count | None = None
+    threshold_floor: bool | None = None
     priority: Int32 | None = None
     top_k: Count | None = None
     alg: str | None = None
@@ -160,6 +161,7 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             priority=self.priority or 0,
             temperature=self.temperature or 0.0,
             steps_per_block=self.steps_per_block,
+            threshold_floor=bool(self.threshold_floor),
             alg=self.alg,
             alg_temp=self.alg_temp or 0.0,
             top_p=1.0 if self.top_p is None else self.top_p,

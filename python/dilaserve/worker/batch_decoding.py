@@ -219,6 +219,8 @@ class RowSchedule:
     def __init__(self, states: Sequence[RequestState], device: torch.device) -> None:
         self.device = device
         fixed = [s.steps_per_block is not None for s in states]
+        # Rows whose schedule is a floor under the threshold rule, not the rule itself.
+        self.floor_rows = _rows([s.threshold_floor for s in states], device)
         random = [f and s.alg is ConfidenceRule.RANDOM for s, f in zip(states, fixed, strict=True)]
         ranked = [f and not r for f, r in zip(fixed, random, strict=True)]
         counts, timesteps = [0] * len(states), [1] * len(states)
@@ -270,6 +272,8 @@ class RowSchedule:
             committed = torch.where(self.fallback_rows[:, None], drawn, committed)
         if self.ranked_rows is not None:
             scheduled = top_k_commit(rank, candidate, self.counts)  # type: ignore[arg-type]
+            if self.floor_rows is not None:  # the threshold's commit, at least the share
+                scheduled = torch.where(self.floor_rows[:, None], scheduled | committed, scheduled)
             committed = torch.where(self.ranked_rows[:, None], scheduled, committed)
         timesteps = self.timesteps
         if self.random_rows is not None:

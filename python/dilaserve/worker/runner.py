@@ -213,7 +213,7 @@ class StepRunner:
                 state.block_length,
                 state.mask_token_id,
                 state.stop_token_ids,
-                state.steps_per_block is not None,
+                state.steps_per_block is not None and not state.threshold_floor,
                 counters,
                 state.lead,
             )
