@@ -18,6 +18,11 @@ BENCHES = ROOT / "benches"
 
 #: Each bench script and lines its quick mode must print.
 LINES = {
+    "block_diffusion.py": [
+        "ratio_bd_cache_vs_full_recompute_b1",
+        "ratio_bd_cache_vs_full_recompute_b8",
+        "bd_tokens_identical_batched_vs_alone",
+    ],
     "engine.py": ["step_rtt_ms", "migration_ms", "engine_overhead_frac_2inst"],
     "live_emulated.py": [
         "live16_vs_sim_attainment_abs_diff_pp",
