@@ -50,6 +50,8 @@ LINES = {
         "sim16_prefill_attainment_gain_pp_vs_infaas",
         "sim16_prefill_attainment_gain_pp_vs_llumnix",
         "sim16_prefill_light_attainment",
+        "sim16_bd_attainment_gain_pp_vs_infaas",
+        "sim16_bd_attainment_gain_pp_vs_llumnix",
         "sim16_migration_p99_ratio",
         "sim16_oneshot_attainment_gap_pp",
         "sim16_ablation_cost_pp_reconfiguration",

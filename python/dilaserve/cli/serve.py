@@ -253,6 +253,8 @@ def engine_config(values: dict) -> EngineConfig:
     block = read_config(values["model"])[1].block_size if values["model"] else 0
     cache = CacheMode(values["cache"]) if values["cache"] else CacheMode.default_for(block)
     cache.check_model(block)
+    if block and values.get("block_length") is None:
+        values = {**values, "block_length": block}  # a block diffusion model's blocks
     return EngineConfig(
         model=values["model"],
         instances=instances,

@@ -95,6 +95,10 @@ pub(crate) struct Request {
     /// the one in flight (none when no step is ahead).
     pub ahead_tau: Option<f64>,
     pub alive: bool,
+    /// *(ours)* Served with block diffusion's exact cache
+    /// ([`super::SchedulerConfig::exact_cache`]): a recompute step rebuilds the prefix
+    /// only up to the end of the current block.
+    pub exact: bool,
 }
 
 impl Request {
@@ -107,8 +111,16 @@ impl Request {
     pub fn step_tokens(&self) -> u64 {
         match self.next_kind {
             StepKind::Cache => u64::from(self.block_length),
+            StepKind::Recompute if self.exact => self.prefix_tokens(),
             StepKind::Recompute | StepKind::NoCache => self.seq_tokens(),
         }
+    }
+
+    /// Positions up to the end of the current block: what a step of block diffusion's
+    /// exact cache attends to (later blocks are invisible to it).
+    pub fn prefix_tokens(&self) -> u64 {
+        let end = (self.current_block + 1).min(self.output_len / self.block_length);
+        u64::from(self.prompt_len) + u64::from(end * self.block_length)
     }
 
     /// *(ours)* Tokens this request is expected to feed the step after the one in flight:
@@ -243,6 +255,7 @@ impl Request {
             pinned: spec.pinned_tau,
             ahead_tau: None,
             alive: true,
+            exact: config.caching && config.exact_cache,
         };
         let tokens = request.seq_tokens();
         if tokens > config.max_batch_tokens {
