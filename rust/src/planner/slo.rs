@@ -39,9 +39,9 @@ pub fn mean_isolated_latency(
         // The worker decodes whole blocks, so the output it runs is padded to them.
         let blocks = (a.output_tokens as f64 / block).ceil();
         let output = blocks * block;
-        let sequence = a.prompt_tokens as f64 + output;
-        let steps = output / top.tokens_per_step;
         let prompt = a.prompt_tokens as f64;
+        let sequence = prompt + output;
+        let steps = output / top.tokens_per_step;
         total += if caching && exact {
             // Cache steps attend to the prefix up to their block's end: on average
             // halfway through the output, plus half a block.
