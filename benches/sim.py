@@ -185,6 +185,13 @@ def paper_experiments(args) -> None:
             print(json.dumps({"sim16_slo_scale": scale, **s.to_dict()}))
     plot(by_scale, "docs/sim16-slo.png", x_label="SLO scale (× isolated latency)")
 
+    # Block diffusion's exact cache: one prefill per request, cache steps to each block's
+    # end, on the same profile and progress model (no block diffusion profile measured yet).
+    # Without a recompute step per block the cluster serves several times the load.
+    exact = dataclasses.replace(setup, exact_cache=True)
+    bd = dataclasses.replace(conv, label="bd", rates=[8.0 * i for i in range(4, 40)])
+    knee_experiments(exact, bd, args.quick)
+
     prefill = prefill_heavy(args.duration)
     prefill_knee, prefill_every = knee_experiments(setup, prefill, args.quick)
     light = sweep(setup, prefill, ("dilaserve",), [prefill_knee / 4])["dilaserve", prefill_knee / 4]

@@ -433,7 +433,7 @@ def test_settings_are_declared_once_in_the_core() -> None:
         f.name for f in dataclasses.fields(Policy)
     ]
     engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    assert set(names) - engine_fields == {"caching"}
+    assert set(names) - engine_fields == {"caching", "exact_cache"}  # follow the cache mode
     cluster_fields = {f.name for f in dataclasses.fields(ClusterSetup)}
     assert set(names) - cluster_fields == {"policy", "overlap"}  # the simulator is synchronous
     # The engine overlaps steps by default; everything else is the core's default.

@@ -105,6 +105,9 @@ class PlannerConfig:
     degrees: tuple[int, ...] = (1, 2, 4, 8)
     batch_tokens: tuple[int, ...] = DEFAULT_BATCH_TOKENS
     caching: bool = False
+    #: With `caching`, block diffusion's exact cache: one prefill per request, no
+    #: recompute at a block's end.
+    exact_cache: bool = False
     block_length: int = 32
     time_limit_seconds: float = 10.0
     mip_gap: float = 1e-4
@@ -365,10 +368,11 @@ def mean_isolated_latency(
     tokens_per_step: float,
     caching: bool = False,
     block_length: int = 32,
+    exact_cache: bool = False,
 ) -> float:
     """Mean seconds a request of ``arrivals`` takes alone on a TP-1 instance (DESIGN §9 SLO)."""
     return _core.mean_isolated_latency(
-        profile, _arrival_tuples(arrivals), tokens_per_step, caching, block_length
+        profile, _arrival_tuples(arrivals), tokens_per_step, caching, block_length, exact_cache
     )
 
 

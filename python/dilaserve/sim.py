@@ -248,6 +248,7 @@ class _ClusterSettings:
                     tps,
                     self.caching,
                     self.block_length,
+                    self.exact_cache,
                 )
                 for k in unique
             ],
@@ -291,6 +292,7 @@ class _ClusterSettings:
                     slo_seconds=slo_s,
                     degrees=self.planner_degrees,
                     caching=self.caching,
+                    exact_cache=self.exact_cache,
                     block_length=self.block_length,
                 )
             ),

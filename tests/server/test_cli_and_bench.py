@@ -98,7 +98,8 @@ def test_bench_client_against_a_live_server(start_server):
 def test_every_scheduler_setting_is_a_flag_and_a_toml_key(tmp_path, capsys):
     """The core declares the settings once: each is a `serve` flag and a TOML key, with its
     doc as help, and reaches the engine's scheduler config."""
-    leaves = [f for f in flatten(SCHEDULER_SETTINGS) if f["name"] != "caching"]
+    derived = ("caching", "exact_cache")  # follow --cache and the model family
+    leaves = [f for f in flatten(SCHEDULER_SETTINGS) if f["name"] not in derived]
     assert {f["name"] for f in leaves} <= set(DEFAULTS)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--help"])
@@ -114,6 +115,7 @@ def test_every_scheduler_setting_is_a_flag_and_a_toml_key(tmp_path, capsys):
     assert (scheduler.max_batch_tokens, scheduler.target_utilisation) == (2048, 0.8)
     assert scheduler.slo_window_s == 3.0 and not scheduler.policy.migration
     assert scheduler.caching, "caching follows --cache, not a flag of its own"
+    assert not scheduler.exact_cache, "only the block cache is exact"
 
 
 def test_serve_policy_flags_compose() -> None:

@@ -143,7 +143,8 @@ class RequestBuilder:
             [Arrival(0.0, prompt_len, output_len)],
             self._top_rate,
             c.cache is not CacheMode.NONE,
-            c.block_length,
+            self.model_config.block_size or c.block_length,
+            exact_cache=c.cache is CacheMode.BLOCK,
         )
 
 

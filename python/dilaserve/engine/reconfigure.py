@@ -83,6 +83,7 @@ def replan_options(engine: ManagedCluster) -> str:
         degrees=engine.planner_degrees,
         batch_tokens=DEFAULT_BATCH_TOKENS,
         caching=c.cache is not CacheMode.NONE,
+        exact_cache=c.cache is CacheMode.BLOCK,
         block_length=c.block_length,
     )
     return json.dumps(

@@ -126,12 +126,14 @@ fn classes_from_arrivals(
 
 /// Mean seconds a request takes alone on TP-1 at `tokens_per_step` tokens per step.
 #[pyfunction]
+#[pyo3(signature = (profile, arrivals_raw, tokens_per_step, caching, block_length, exact_cache=false))]
 fn mean_isolated_latency(
     profile: &Bound<'_, PyLatencyProfile>,
     arrivals_raw: Vec<RawArrival>,
     tokens_per_step: f64,
     caching: bool,
     block_length: Count<u32>,
+    exact_cache: bool,
 ) -> PyResult<f64> {
     let top = ThresholdOption {
         threshold: 1.0,
@@ -142,6 +144,7 @@ fn mean_isolated_latency(
         &arrivals(arrivals_raw),
         top,
         caching,
+        exact_cache,
         block_length.0,
     )
     .map_err(to_py)

@@ -92,6 +92,10 @@ pub struct PlannerConfig {
     /// Whether workers run the approximate KV cache (recompute + cache steps).
     #[serde(default)]
     pub caching: bool,
+    /// With `caching`: the cache is block diffusion's exact one — one recompute step per
+    /// request (its prefill), cache steps for the rest.
+    #[serde(default)]
+    pub exact_cache: bool,
     #[serde(default = "default_block_length")]
     pub block_length: u32,
     /// Wall-clock budget of one planning call; a solve cut short returns its incumbent.
@@ -121,6 +125,7 @@ impl PlannerConfig {
             degrees,
             batch_tokens,
             caching: false,
+            exact_cache: false,
             block_length: default_block_length(),
             time_limit_seconds: default_time_limit(),
             mip_gap: default_mip_gap(),
@@ -396,7 +401,16 @@ fn class_data(
     let per_threshold = |f: &dyn Fn(f64) -> f64| -> Vec<f64> {
         thresholds.iter().map(|t| f(t.tokens_per_step)).collect()
     };
-    let (tokens, steps) = if caching {
+    let (tokens, steps) = if caching && config.exact_cache {
+        // One prefill of the prompt and first block; every other step is a cache step.
+        (
+            vec![class.prompt_tokens + block_length, block_length],
+            vec![
+                per_threshold(&|_| 1.0),
+                per_threshold(&|t| (output / t - 1.0).max(0.0)),
+            ],
+        )
+    } else if caching {
         // One recompute step per block over the whole sequence; the rest of each block's
         // steps are cache steps over the block's positions.
         let blocks = output / block_length;

@@ -211,6 +211,7 @@ impl Replanner {
                         &[typical],
                         top,
                         config.caching,
+                        config.exact_cache,
                         config.block_length,
                     )?;
                     class.slo_seconds = Some(scale * alone);
@@ -370,7 +371,7 @@ mod tests {
                 threshold: 1.0,
                 tokens_per_step: 3.0,
             };
-            5.0 * mean_isolated_latency(&p, &[typical], top, true, 32).unwrap()
+            5.0 * mean_isolated_latency(&p, &[typical], top, true, false, 32).unwrap()
         };
         let mut got: Vec<(f64, f64)> = asked
             .inputs

@@ -1,6 +1,7 @@
 //! The SLO convention of the evaluation (DESIGN §9): a multiple of the mean latency of a
 //! request served alone on a TP-1 instance at the highest candidate threshold, with its
-//! output padded to whole blocks and its cache steps attending to its whole sequence.
+//! output padded to whole blocks and its cache steps attending to its whole sequence (under
+//! block diffusion's exact cache: up to the end of their block).
 
 use super::classes::Arrival;
 use super::error::PlannerError;
@@ -8,12 +9,15 @@ use super::inputs::ThresholdOption;
 use crate::profile::{LatencyProfile, StepKind};
 
 /// Mean seconds a request of `arrivals` takes alone on a TP-1 instance when each step
-/// commits `tokens_per_step` tokens.
+/// commits `tokens_per_step` tokens. With caching, each block opens with a recompute
+/// step over the whole sequence; under the `exact` cache only the first step prefills
+/// (its prompt and first block), and cache steps attend up to their block's end.
 pub fn mean_isolated_latency(
     profile: &LatencyProfile,
     arrivals: &[Arrival],
     top: ThresholdOption,
     caching: bool,
+    exact: bool,
     block_length: u32,
 ) -> Result<f64, PlannerError> {
     if arrivals.is_empty() {
@@ -37,7 +41,14 @@ pub fn mean_isolated_latency(
         let output = blocks * block;
         let sequence = a.prompt_tokens as f64 + output;
         let steps = output / top.tokens_per_step;
-        total += if caching {
+        let prompt = a.prompt_tokens as f64;
+        total += if caching && exact {
+            // Cache steps attend to the prefix up to their block's end: on average
+            // halfway through the output, plus half a block.
+            let context = prompt + (output + block) / 2.0;
+            profile.step_time(1, StepKind::Recompute, prompt + block, prompt + block)?
+                + (steps - 1.0).max(0.0) * profile.step_time(1, StepKind::Cache, block, context)?
+        } else if caching {
             blocks * profile.step_time(1, StepKind::Recompute, sequence, sequence)?
                 + (steps - blocks).max(0.0)
                     * profile.step_time(1, StepKind::Cache, block, sequence)?
@@ -73,10 +84,10 @@ mod tests {
             threshold: 0.9,
             tokens_per_step: 2.0,
         };
-        let t = mean_isolated_latency(&profile, &arrivals, top, false, 25).unwrap();
+        let t = mean_isolated_latency(&profile, &arrivals, top, false, false, 25).unwrap();
         // 25 steps × 0.01 s and 50 steps × 0.02 s.
         assert!((t - (0.25 + 1.0) / 2.0).abs() < 1e-12);
-        assert!(mean_isolated_latency(&profile, &arrivals, top, true, 25).is_err());
+        assert!(mean_isolated_latency(&profile, &arrivals, top, true, false, 25).is_err());
     }
 
     #[test]
@@ -98,10 +109,10 @@ mod tests {
             threshold: 0.9,
             tokens_per_step: 2.0,
         };
-        let t = mean_isolated_latency(&profile, &one, top, false, 32).unwrap();
+        let t = mean_isolated_latency(&profile, &one, top, false, false, 32).unwrap();
         assert!((t - 32.0 * 0.0124).abs() < 1e-12);
         // Caching: 2 recompute steps and 30 cache steps attending to 124 tokens.
-        let t = mean_isolated_latency(&profile, &one, top, true, 32).unwrap();
+        let t = mean_isolated_latency(&profile, &one, top, true, false, 32).unwrap();
         assert!((t - (2.0 * 0.0124 + 30.0 * 0.00148)).abs() < 1e-12);
     }
 }

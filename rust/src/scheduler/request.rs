@@ -95,6 +95,10 @@ pub(crate) struct Request {
     /// the one in flight (none when no step is ahead).
     pub ahead_tau: Option<f64>,
     pub alive: bool,
+    /// *(ours)* Served with block diffusion's exact cache
+    /// ([`super::SchedulerConfig::exact_cache`]): a recompute step rebuilds the prefix
+    /// only up to the end of the current block.
+    pub exact: bool,
 }
 
 impl Request {
@@ -103,12 +107,30 @@ impl Request {
         u64::from(self.prompt_len) + u64::from(self.output_len)
     }
 
+    /// Tokens a full step of a later block feeds (its load): the whole sequence, or under
+    /// the exact cache the block just finished and the new one.
+    pub fn full_step_tokens(&self) -> u64 {
+        if self.exact {
+            2 * u64::from(self.block_length)
+        } else {
+            self.seq_tokens()
+        }
+    }
+
     /// Tokens the next step of this request adds to a batch.
     pub fn step_tokens(&self) -> u64 {
         match self.next_kind {
             StepKind::Cache => u64::from(self.block_length),
+            StepKind::Recompute if self.exact => self.prefix_tokens(),
             StepKind::Recompute | StepKind::NoCache => self.seq_tokens(),
         }
+    }
+
+    /// Positions up to the end of the current block: what a step of block diffusion's
+    /// exact cache attends to (later blocks are invisible to it).
+    pub fn prefix_tokens(&self) -> u64 {
+        let end = (self.current_block + 1).min(self.output_len / self.block_length);
+        u64::from(self.prompt_len) + u64::from(end * self.block_length)
     }
 
     /// *(ours)* Tokens this request is expected to feed the step after the one in flight:
@@ -243,6 +265,7 @@ impl Request {
             pinned: spec.pinned_tau,
             ahead_tau: None,
             alive: true,
+            exact: config.caching && config.exact_cache,
         };
         let tokens = request.seq_tokens();
         if tokens > config.max_batch_tokens {
@@ -317,6 +340,19 @@ mod tests {
         spec.pinned_tau = Some(0.73);
         let (r, allowed) = Request::from_spec(&spec, &config(), 0).unwrap();
         assert_eq!((r.pinned, allowed), (Some(0.73), 0b00100), "planned as 0.7");
+    }
+
+    #[test]
+    fn under_the_exact_cache_a_blocks_full_step_loads_two_blocks_not_the_sequence() {
+        let spec = RequestSpec::new(1, 0.0, 10.0, 7, 64);
+        let (r, _) = Request::from_spec(&spec, &config(), 0).unwrap();
+        assert_eq!(r.full_step_tokens(), 71);
+        let exact = SchedulerConfig {
+            exact_cache: true,
+            ..config()
+        };
+        let (r, _) = Request::from_spec(&spec, &exact, 0).unwrap();
+        assert_eq!(r.full_step_tokens(), 64, "two blocks of 32");
     }
 
     #[test]

@@ -382,7 +382,10 @@ impl<'a> Simulation<'a> {
     /// One scheduling round at `now`; every batch it emits starts running.
     fn round(&mut self, now: f64) -> Result<(), SimError> {
         let started = Instant::now();
-        let block_length = self.sched.config().block_length;
+        let (block_length, exact) = {
+            let c = self.sched.config();
+            (c.block_length, c.caching && c.exact_cache)
+        };
         let decisions = self.sched.schedule(now)?;
         let spent = started.elapsed().as_secs_f64();
         self.stats.sched_seconds += spent;
@@ -399,7 +402,13 @@ impl<'a> Simulation<'a> {
             for e in decisions.entries_of(batch) {
                 if e.kind == StepKind::Cache {
                     cache += e.tokens;
-                    context += seq_tokens(&self.requests[e.request as usize], block_length);
+                    let r = &self.requests[e.request as usize];
+                    context += if exact {
+                        // The exact cache attends up to the end of the block only.
+                        f64::from(r.prompt_len) + f64::from((e.block + 1) * block_length)
+                    } else {
+                        seq_tokens(r, block_length)
+                    };
                     cached += 1.0;
                 } else {
                     full += e.tokens;
