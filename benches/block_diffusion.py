@@ -8,6 +8,11 @@ the cached prefix — against the release's loop, which re-runs the whole prefix
 for one request at a time. Batch 1 (requests one after another on both sides) and batch
 8. Also whether batching changes any token.
 
+Prefix sharing: a stream of requests arriving one per step, half of them behind one long
+system prompt, on runners with and without the prefix store — the share of prompt tokens
+whose K/V was found stored, the prefill tokens that saved, and that sharing changes no
+token.
+
 Prints one JSON object per line. `python benches/block_diffusion.py [--quick]`.
 """
 
@@ -23,6 +28,7 @@ import torch
 
 from dilaserve.models import load_model
 from dilaserve.models.testing import special_ids, write_tiny_checkpoint
+from dilaserve.protocol import RequestState, StepEntry
 from dilaserve.worker.generate import generate
 from dilaserve.worker.runner import StepRunner
 
@@ -79,6 +85,28 @@ def cached(model, prompts: list[list[int]], gen_length: int, batch: int) -> list
     return out
 
 
+def stream(model, prompts: list[list[int]], gen_length: int, sharing: bool):
+    """Adds one request per step (arrivals spread over time, as a server sees them) and
+    steps every live one until all are done; their outputs and the runner."""
+    runner = StepRunner(
+        model, cache="block", max_requests=len(prompts), max_seq_len=1024, prefix_caching=sharing
+    )
+    mask = model.config.mask_token_id
+    waiting = [
+        RequestState.new(i, p, gen_length, block_length=BLOCK, mask_token_id=mask, aligned=True)
+        for i, p in enumerate(prompts)
+    ]
+    live: list[int] = []
+    while waiting or live:
+        if waiting:
+            runner.add(waiting[0])
+            live.append(waiting.pop(0).request_id)
+        batch = [StepEntry(r, TAU, runner.next_kind(r)) for r in live]
+        report = runner.step(batch)
+        live = [o.request_id for o in report.outputs if not o.done]
+    return [runner.state(i).generated_ids() for i in range(len(prompts))], runner
+
+
 def timed(fn, *args):
     start = time.perf_counter()
     result = fn(*args)
@@ -114,6 +142,26 @@ def main() -> None:
     emit("ratio_bd_cache_vs_full_recompute_b8", reference_s / b8_s, "x", **shape)
     same = batched == alone == reference
     emit("bd_tokens_identical_batched_vs_alone", float(same), "bool", **shape)
+
+    # Half the requests open with one system prompt of whole blocks, then their own text.
+    system_len = prompt_len - prompt_len // 16
+    system = [rng.randrange(vocab) for _ in range(system_len)]
+    shared = [
+        (system if i % 2 else [rng.randrange(vocab) for _ in range(system_len)])
+        + [rng.randrange(vocab) for _ in range(prompt_len - system_len)]
+        for i in range(2 * count)
+    ]
+    with torch.inference_mode():
+        (plain, runner), plain_s = timed(stream, model, shared, gen_length, False)
+        plain_fed = runner.forward_tokens
+        (reused, runner), shared_s = timed(stream, model, shared, gen_length, True)
+    stats = runner.prefix.stats
+    shape = {"requests": 2 * count, "prompt_tokens": prompt_len, "system_tokens": system_len}
+    emit("prefix_hit_token_share", stats.hit_token_share, "share", **shape)
+    emit("bd_prefix_saved_prefill_tokens", stats.hit_tokens, "tokens", **shape)
+    emit("bd_prefix_fed_token_ratio", runner.forward_tokens / plain_fed, "x", **shape)
+    emit("ratio_bd_prefix_sharing_vs_none", plain_s / shared_s, "x", **shape)
+    emit("bd_tokens_identical_prefix_shared_vs_not", float(reused == plain), "bool", **shape)
 
 
 if __name__ == "__main__":

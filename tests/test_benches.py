@@ -22,6 +22,9 @@ LINES = {
         "ratio_bd_cache_vs_full_recompute_b1",
         "ratio_bd_cache_vs_full_recompute_b8",
         "bd_tokens_identical_batched_vs_alone",
+        "prefix_hit_token_share",
+        "bd_prefix_saved_prefill_tokens",
+        "bd_tokens_identical_prefix_shared_vs_not",
     ],
     "engine.py": ["step_rtt_ms", "migration_ms", "engine_overhead_frac_2inst"],
     "live_emulated.py": [

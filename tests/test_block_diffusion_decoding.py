@@ -199,3 +199,41 @@ def test_llada2s_threshold_with_a_floor_commits_at_least_the_schedules_share(mod
     assert [len(o.committed_positions) for o in report.outputs] == [2, 1, 4]
     with pytest.raises(TokenStateError, match="floor"):
         RequestState.new(4, [1], 4, block_length=BLOCK, mask_token_id=mask, threshold_floor=True)
+
+
+def test_requests_sharing_a_system_prompt_compute_its_blocks_once_and_decode_as_alone(model):
+    """Prefix sharing: the second request takes the first's K/V of their three common
+    prompt blocks instead of computing it, and both decode exactly as they do alone."""
+    system = [5, 17, 250, 33, 91, 8, 64, 120, 77, 3, 12, 19]  # three blocks of four
+    first, second = system + [40, 41, 42, 43], system + [7, 9, 11]
+    expected = [reference_generate(model, p, GEN, TAU) for p in (first, second)]
+    mask = model.config.mask_token_id
+    r = runner(model)
+
+    def add(rid, prompt):
+        r.add(
+            RequestState.new(
+                rid, prompt, GEN, block_length=BLOCK, mask_token_id=mask, aligned=True
+            )
+        )
+
+    add(1, first)
+    assert r.step([StepEntry(1, TAU, StepKind.RECOMPUTE)]).forward_tokens == 20
+    add(2, second)
+    assert r.prefix.stats.hit_tokens == 12 and r.next_kind(2) is StepKind.RECOMPUTE
+    # Its first step feeds only its own block (the prompt's tail and three masks).
+    assert r.step([StepEntry(2, TAU, StepKind.RECOMPUTE)]).forward_tokens == 4
+    while not (r.finished(1) and r.finished(2)):
+        live = [rid for rid in (1, 2) if not r.finished(rid)]
+        r.step([StepEntry(rid, TAU, r.next_kind(rid)) for rid in live])
+    assert [r.state(rid).generated_ids() for rid in (1, 2)] == expected
+    # A third copy of the first prompt finds all four of its blocks.
+    r.release(1)
+    add(3, first)
+    assert r.prefix.stats.hit_tokens == 12 + 16
+    assert r.step([StepEntry(3, TAU, StepKind.RECOMPUTE)]).forward_tokens == 4
+    unshared = StepRunner(
+        model, cache=CacheMode.BLOCK, max_requests=4, max_seq_len=64, kv_cache_memory=1 << 22,
+        prefix_caching=False,
+    )
+    assert unshared.prefix is None

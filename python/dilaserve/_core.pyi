@@ -266,7 +266,7 @@ class HeldTokens:
     accessors raise `KeyError` for an id not held; `add`, `pack` and `commit` raise
     `ValueError` for what does not fit (ids not held among them)."""
 
-    def __init__(self) -> None: ...
+    def __init__(self, exact: bool = False) -> None: ...
     def add(
         self,
         id: int,
@@ -277,7 +277,12 @@ class HeldTokens:
         stops: list[int],
         fixed_schedule: bool,
         counters: tuple[int, int, int],
+        lead: int = 0,
     ) -> None: ...
+    def seed_exact(self, id: int, length: int) -> None:
+        """Under the exact cache: the request's first `length` positions (whole prompt
+        blocks) already hold final K/V here."""
+
     def remove(self, id: int) -> tuple[list[int], tuple[int, int, int]]: ...
     def __contains__(self, id: int) -> bool: ...
     def output(self, id: int) -> list[int]: ...

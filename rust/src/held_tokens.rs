@@ -172,6 +172,28 @@ impl HeldTokens {
         Ok(())
     }
 
+    /// Under the exact cache: the first `len` positions of a resident request (whole
+    /// blocks of its prompt) already hold final K/V on this instance — copied from a prefix
+    /// another request computed — so its steps, its first one too, feed from there.
+    pub fn seed_exact(&mut self, id: u64, len: usize) -> Result<(), String> {
+        if !self.exact {
+            return Err("only the exact block cache keeps a prefix's K/V".into());
+        }
+        let held = self
+            .rows
+            .get_mut(&id)
+            .ok_or(format!("request {id} is not held"))?;
+        if len > held.prompt.len() || len % held.block_length() as usize != 0 {
+            return Err(format!(
+                "request {id}: a cached prefix of {len} positions is not whole blocks of its \
+                 {}-token prompt",
+                held.prompt.len()
+            ));
+        }
+        held.exact_len = len;
+        Ok(())
+    }
+
     /// Drops a request; its output and `(steps_done, block_steps, timestep)`.
     pub fn remove(&mut self, id: u64) -> Option<(Vec<u32>, [u32; 3])> {
         let held = self.rows.remove(&id)?;
@@ -264,7 +286,9 @@ impl HeldTokens {
             let (begin, end) = match (kind, window) {
                 (StepKind::Cache, CacheWindow::Block) => (start - shift, h.block_end()),
                 (StepKind::Cache, CacheWindow::Suffix) => (start - shift, seq),
-                (StepKind::Cache, CacheWindow::Exact) => (h.exact_len, h.block_end()),
+                (StepKind::Cache | StepKind::Recompute, CacheWindow::Exact) => {
+                    (h.exact_len, h.block_end())
+                }
                 (_, CacheWindow::Exact) => (0, h.block_end()),
                 _ => (0, seq),
             };
@@ -491,6 +515,32 @@ mod tests {
             .pack(&[1], &cache, CacheWindow::Block, 0, Some(&[0]))
             .unwrap();
         assert_eq!(p.positions, (6..10).collect::<Vec<i64>>());
+    }
+
+    #[test]
+    fn a_seeded_prefix_is_not_fed_again() {
+        let mut t = HeldTokens::exact();
+        t.add(1, (1..=8).collect(), &spec(4, 4), &[MASK; 4], [0, 0, 0])
+            .unwrap();
+        assert!(t.seed_exact(1, 6).is_err(), "not whole blocks");
+        assert!(t.seed_exact(1, 12).is_err(), "longer than the prompt");
+        t.seed_exact(1, 8).unwrap();
+        let p = t
+            .pack(
+                &[1],
+                &[StepKind::Recompute],
+                CacheWindow::Block,
+                0,
+                Some(&[100]),
+            )
+            .unwrap();
+        assert_eq!(p.positions, (8..12).collect::<Vec<i64>>());
+        assert_eq!(p.slots, (108..112).collect::<Vec<i64>>());
+        assert_eq!(
+            (p.index.clone(), p.seq_lengths.clone()),
+            (vec![0, 1, 2, 3], vec![12])
+        );
+        assert!(HeldTokens::default().seed_exact(1, 0).is_err());
     }
 
     #[test]

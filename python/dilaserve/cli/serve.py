@@ -54,6 +54,7 @@ DEFAULTS = {
     "max_accuracy_drop": 3.0,
     "max_requests_per_instance": 64,
     "kv_cache_memory": None,
+    "prefix_caching": True,
     "profile": None,
     "emulate": False,
     "progress": None,
@@ -119,6 +120,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--kv-cache-memory",
         help="KV pool per worker: bytes (8GiB) or a fraction of free device memory (0.5); "
         "default: 0.9 of a GPU's free memory, 0.25 of a host's",
+    )
+    p.add_argument(
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        help="block diffusion models: requests share the exact K/V of the prompt blocks "
+        "they have in common (default: on)",
     )
     p.add_argument("--profile", help="latency profile JSON (default: measured at start-up)")
     p.add_argument("--replan-interval", type=float, help="seconds between cluster re-plans")
@@ -266,6 +273,7 @@ def engine_config(values: dict) -> EngineConfig:
         max_accuracy_drop=accuracy_drop(values["max_accuracy_drop"]),
         max_requests_per_instance=values["max_requests_per_instance"],
         kv_cache_memory=kv_memory(values["kv_cache_memory"]),
+        prefix_caching=values["prefix_caching"],
         profile=values["profile"],
         emulate=emulate,
         progress=values["progress"],

@@ -43,6 +43,8 @@ class _EngineSettings:
     #: KV pool budget per worker rank: bytes (int), a fraction of free device memory
     #: (float), or None for the worker's default share.
     kv_cache_memory: int | float | None = None
+    #: Under the block cache, requests share the exact K/V of common prompt blocks.
+    prefix_caching: bool = True
     #: Quality floor: the scheduler never chooses a threshold whose accuracy, measured on
     #: the model (its `progress.json`), is more than this fraction below the top
     #: threshold's; None (or a model without measurements) allows every threshold.

@@ -484,6 +484,7 @@ class Engine:
             cache=c.cache,
             max_requests=c.max_requests_per_instance,
             kv_cache_memory=c.kv_cache_memory,
+            prefix_caching=c.prefix_caching,
             tp=inst.tp,
             dtype=c.dtype,
             device=c.device if c.device == "cpu" else f"{c.device}:{inst.gpus[0]}",

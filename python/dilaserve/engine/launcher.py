@@ -48,6 +48,8 @@ class WorkerSpec:
     devices: tuple[str, ...] = ()
     #: KV pool budget per rank: bytes, a fraction of free device memory, None: default.
     kv_cache_memory: int | float | None = None
+    #: Under the block cache, share the K/V of common prompt blocks (`prefix_cache`).
+    prefix_caching: bool = True
     #: The launcher's key of the node the instance is placed on.
     node: int = 0
     #: Keys of a TCP channel (None over IPC); they travel in the environment.
@@ -76,6 +78,8 @@ class WorkerSpec:
             args += ["--threads", str(self.threads)]
         if self.kv_cache_memory is not None:
             args += ["--kv-cache-memory", str(self.kv_cache_memory)]
+        if not self.prefix_caching:
+            args.append("--no-prefix-caching")
         if self.tp > 1:
             if dist_init is None:
                 raise ValueError(f"instance {self.instance}: TP {self.tp} needs a rendezvous")

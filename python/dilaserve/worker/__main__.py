@@ -28,6 +28,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="KV pool size: bytes (8GiB) or a fraction of free device memory (0.5)",
     )
+    p.add_argument(
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="under the block cache, share the K/V of common prompt blocks",
+    )
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
@@ -51,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             cache=CacheMode(args.cache),
             max_requests=args.max_requests,
             kv_cache_memory=args.kv_cache_memory,
+            prefix_caching=args.prefix_caching,
             dtype=args.dtype,
             device=args.device,
             threads=args.threads,

@@ -94,7 +94,9 @@ class KVCachePool:
     says where it starts, `free` returns it. An unknown or doubly freed id is a
     `CacheSlotError`, a request that cannot fit a `CacheFullError`. `on_move` (optional) is
     told of every compaction move before it is applied (tensor-parallel rank 0 forwards them
-    to the other ranks' pools)."""
+    to the other ranks' pools). `reclaim` (optional) is asked to free at least the given
+    number of rows held by no request (stored prefix blocks) before an allocation would
+    fail."""
 
     def __init__(
         self,
@@ -115,6 +117,7 @@ class KVCachePool:
         self.capacity = capacity
         self.bytes_per_token = bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
         self.on_move = on_move
+        self.reclaim: Callable[[int], None] | None = None
         self._extents: dict[int, tuple[int, int]] = {}  # request id -> (start, length)
         self._free: list[tuple[int, int]] = [(0, capacity)]  # sorted (start, length) holes
         self.compactions = 0
@@ -131,6 +134,8 @@ class KVCachePool:
             raise CacheSlotError(f"request {request_id} already holds a KV extent")
         if tokens <= 0:
             raise ValueError(f"a KV extent needs a positive length, got {tokens}")
+        if tokens > self.free_tokens and self.reclaim is not None:
+            self.reclaim(tokens - self.free_tokens)
         if tokens > self.free_tokens:
             raise CacheFullError(
                 f"request {request_id} needs {tokens} KV tokens, {self.free_tokens} of "
@@ -191,15 +196,23 @@ class KVCachePool:
                 moves.append(Move(start, cursor, length))
                 self._extents[rid] = (cursor, length)
             cursor += length
-        if self.on_move is not None:
-            self.on_move(moves)
-        self.apply_moves(moves)
+        self.copy(moves)
         self._free = [(cursor, self.capacity - cursor)] if cursor < self.capacity else []
         self.compactions += 1
 
+    def copy(self, moves: list[Move]) -> None:
+        """Copies rows between extents (compaction, prefix sharing) here and, through
+        `on_move`, on every other rank's shard."""
+        if not moves:
+            return
+        if self.on_move is not None:
+            self.on_move(moves)
+        self.apply_moves(moves)
+
     def apply_moves(self, moves: list[Move]) -> None:
-        """Copies the rows of every move, in order (each moves down, so earlier moves never
-        overwrite rows a later one still reads)."""
+        """Copies the rows of every move, in order (a compaction's move down, so earlier
+        moves never overwrite rows a later one still reads; a prefix copy's between
+        disjoint extents)."""
         for move in moves:
             src = slice(move.src, move.src + move.length)
             dst = slice(move.dst, move.dst + move.length)

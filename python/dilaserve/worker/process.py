@@ -73,6 +73,8 @@ class WorkerSettings:
     dist_init: str | None = None
     #: KV pool budget: bytes, a fraction of free device memory, or None for the default.
     kv_cache_memory: int | float | None = None
+    #: Under the block cache, share the K/V of common prompt blocks (`prefix_cache`).
+    prefix_caching: bool = True
 
 
 def execute(runner: StepRunner, command: StepCommand) -> StepReport:
@@ -141,6 +143,7 @@ def serve(settings: WorkerSettings) -> int:
             cache=settings.cache,
             max_requests=settings.max_requests,
             kv_cache_memory=settings.kv_cache_memory,
+            prefix_caching=settings.prefix_caching,
         )
         runner.warm_up()
         try:

@@ -67,6 +67,7 @@ from dilaserve.worker.errors import (
 from dilaserve.worker.follower import full_vocab_logits, make_pool, vocab_parallel_scores
 from dilaserve.worker.forward import forward_logits
 from dilaserve.worker.kv_cache import budget_tokens, bytes_per_token
+from dilaserve.worker.prefix_cache import PrefixCache
 from dilaserve.worker.tp_group import TensorParallelGroup
 
 _KIND_CODES = {StepKind(k): code for code, k in enumerate(STEP_KINDS)}
@@ -99,10 +100,13 @@ class StepRunner:
         max_requests: int = 64,
         max_seq_len: int | None = None,
         kv_cache_memory: int | float | None = None,
+        prefix_caching: bool = True,
     ) -> None:
         """`kv_cache_memory` sizes the KV pool: bytes (int), a fraction of free device
         memory (float), or None for `kv_cache.DEFAULT_FRACTION`; the pool never holds
-        more than `max_requests` sequences of `max_seq_len` tokens."""
+        more than `max_requests` sequences of `max_seq_len` tokens. `prefix_caching`:
+        under the exact block cache, requests share the K/V of the prompt blocks they
+        have in common (`prefix_cache`)."""
         self.model = model
         self.config = model.config
         self.device = next(model.parameters()).device
@@ -134,6 +138,9 @@ class StepRunner:
         self.pool = make_pool(model, capacity)
         if self.pool is not None and self.group is not None:
             self.pool.on_move = self.group.send_moves
+        self.prefix: PrefixCache | None = None
+        if self.pool is not None and self.cache_mode is CacheMode.BLOCK and prefix_caching:
+            self.prefix = PrefixCache(self.pool, self.config.block_size)
         self._held: dict[int, _Held] = {}
         self._tokens = HeldTokens(exact=self.cache_mode is CacheMode.BLOCK)
         self.forward_tokens = 0
@@ -225,6 +232,8 @@ class StepRunner:
         except BaseException:
             self._tokens.remove(rid)
             raise
+        if self.prefix is not None:  # whole prompt blocks: a seed that always fits
+            self._tokens.seed_exact(rid, self.prefix.load(rid, state.prompt_ids))
         reads = state.needs_full_logits or state.steps_per_block is not None
         self._held[rid] = _Held(state.copy(), extent=self.pool is not None, reads_counters=reads)
 
@@ -311,11 +320,21 @@ class StepRunner:
             if self.group is not None and sampling is not None:
                 logits = full_vocab_logits(self.model, self.group, logits)  # type: ignore[arg-type]
             host = self._read_back(states, logits, candidate, tau, sampling)
+            self._store_prefixes(batch, held)
         report = self._commit(batch, ids, kinds, host)
         report.forward_tokens = fed = packed.ids.numel()
         self.forward_tokens += fed
         report.seconds = time.perf_counter() - started
         return report
+
+    def _store_prefixes(self, batch: Sequence[StepEntry], held: list[_Held]) -> None:
+        """A request's first step here wrote the final K/V of its prompt blocks: keep
+        them for the requests that share them."""
+        if self.prefix is None:
+            return
+        for entry, h in zip(batch, held, strict=True):
+            if entry.kind is StepKind.RECOMPUTE:
+                self.prefix.store(entry.request_id, h.spec.prompt_ids)
 
     def check_entry(self, entry: StepEntry) -> None:
         """Raises `StepRejectedError` (or `RequestNotHeldError`) if `entry` cannot run here."""

@@ -93,6 +93,14 @@ impl PyHeldTokens {
             .map_err(PyValueError::new_err)
     }
 
+    /// Under the exact cache: the request's first `length` positions (whole prompt blocks)
+    /// already hold final K/V here; `ValueError` otherwise.
+    fn seed_exact(&mut self, id: u64, length: usize) -> PyResult<()> {
+        self.inner
+            .seed_exact(id, length)
+            .map_err(PyValueError::new_err)
+    }
+
     /// Drops a request: its output and `(steps_done, block_steps, timestep)`.
     fn remove(&mut self, id: u64) -> PyResult<(Vec<u32>, (u32, u32, u32))> {
         let (output, [a, b, c]) = self.inner.remove(id).ok_or_else(|| not_held(id))?;

@@ -99,6 +99,9 @@ pub struct DegreeCosts {
     /// (no caching only; with caching throughput depends on sequence lengths).
     full_throughput: f64,
     default_budget: u64,
+    /// *(ours)* Block diffusion's exact cache: a block's "full" step is no recompute but a
+    /// cache step feeding the finished block with the new one ([`Self::full_step`]).
+    pub(crate) exact: bool,
 }
 
 /// What bounds one instance's throughput: its batch budget and its resident capacity.
@@ -159,7 +162,24 @@ impl DegreeCosts {
             cache,
             full_throughput,
             default_budget: max_batch_tokens,
+            exact: false,
         })
+    }
+
+    /// These costs under block diffusion's exact cache (`exact`), else unchanged.
+    pub fn exact(mut self, exact: bool) -> Self {
+        self.exact = exact && self.cache.is_some();
+        self
+    }
+
+    /// Seconds of a request's full step alone ([`super::request::Request::full_step_tokens`] of a
+    /// `seq`-token request).
+    pub fn full_step(&self, block: f64, seq: f64) -> f64 {
+        if self.exact {
+            self.cache(2.0 * block, seq)
+        } else {
+            self.full(seq)
+        }
     }
 
     /// Seconds of a full-sequence step over `tokens` batch tokens.
@@ -210,6 +230,9 @@ impl DegreeCosts {
     /// whole sequence) and one recompute step per block, where *(ours)* `max_seqs` is how
     /// many mean-length sequences fit the batch budget.
     ///
+    /// *(ours)* Under the exact cache a block's full step feeds two blocks, with the same
+    /// context as its cache steps ([`Self::full_step_tokens`]).
+    ///
     /// *(ours)* Resident capacity bounds both: the requests in a batch are resident, so a
     /// step holds at most `kv_tokens` tokens and `max_requests` sequences.
     pub fn throughput(
@@ -239,8 +262,14 @@ impl DegreeCosts {
             max_seqs = max_seqs.min(f64::from(m));
         }
         let cache_steps = (steps_per_block.min(b) - 1.0).max(0.0);
-        let tokens = b * max_seqs * cache_steps + max_seqs * seq;
-        let secs = cache.latency(b * max_seqs, seq) * cache_steps + self.full(max_seqs * seq);
+        let full = max_seqs * if self.exact { 2.0 * b } else { seq };
+        let full_secs = if self.exact {
+            cache.latency(full, seq)
+        } else {
+            self.full(full)
+        };
+        let tokens = b * max_seqs * cache_steps + full;
+        let secs = cache.latency(b * max_seqs, seq) * cache_steps + full_secs;
         tokens / secs
     }
 }
@@ -342,6 +371,22 @@ mod tests {
         let got = c.throughput(500.0, 32, 4.0, Limits::budget(1000));
         assert_eq!(got, expected);
         assert!(got != c.throughput(500.0, 32, 32.0, Limits::budget(1000)));
+    }
+
+    #[test]
+    fn the_exact_cache_prices_a_blocks_full_step_as_a_cache_step_of_two_blocks() {
+        let c = DegreeCosts::new(&profile(), 1, true, 1000).unwrap();
+        let e = c.clone().exact(true);
+        assert_eq!(e.full_step(32.0, 500.0), c.cache(64.0, 500.0));
+        assert_eq!(c.full_step(32.0, 500.0), c.full(500.0));
+        // Mean sequence 500 -> 2 sequences: 3 cache steps of 64 tokens and one of 128 per
+        // block, all over the same context; no recompute of 1000.
+        let cache = c.cache(64.0, 500.0);
+        let expected = (64.0 * 3.0 + 128.0) / (cache * 3.0 + c.cache(128.0, 500.0));
+        let got = e.throughput(500.0, 32, 4.0, Limits::budget(1000));
+        assert!((got - expected).abs() < 1e-9, "{got} vs {expected}");
+        let uncached = DegreeCosts::new(&profile(), 1, false, 1000).unwrap();
+        assert!(!uncached.exact(true).exact, "only a cache is exact");
     }
 
     #[test]

@@ -82,14 +82,15 @@ impl Scheduler {
         self.predictor
             .predict_batch(&view, taus, &mut scratch.predicted)
             .and_then(|()| check_predictions(&view, taus, &scratch.predicted))?;
-        let (seq, block) = (request.seq_tokens() as f64, f64::from(request.block_length));
+        let full = request.full_step_tokens() as f64;
+        let block = f64::from(request.block_length);
         let caching = self.config.caching;
         scratch.arrival_loads.clear();
         scratch.arrival_loads.extend(
             scratch
                 .predicted
                 .iter()
-                .map(|s| request_load(*s, seq, block, caching)),
+                .map(|s| request_load(*s, full, block, caching)),
         );
         let lowest = allowed.trailing_zeros() as usize;
         self.shedder
@@ -151,7 +152,7 @@ impl Scheduler {
         let alone = self
             .groups
             .iter()
-            .map(|g| steps.cache * g.cache(block, seq) + steps.recompute * g.full(seq))
+            .map(|g| steps.cache * g.cache(block, seq) + steps.recompute * g.full_step(block, seq))
             .fold(f64::INFINITY, f64::min);
         // Batched steps share the cluster among the live requests, so none delays this one
         // by more than this one's own work: Σ min(load_j, own) ≤ min(Σ load_j, n × own).

@@ -21,7 +21,8 @@ impl Scheduler {
                     spec.tp,
                     self.config.caching,
                     self.config.max_batch_tokens,
-                )?;
+                )?
+                .exact(self.config.exact_cache);
                 self.groups.push(costs);
                 self.group_factors.push(1.0);
                 self.groups.len() - 1

@@ -7,13 +7,14 @@ use super::predictor::StepsLeft;
 
 /// Load, in tokens processed, of finishing a request with `steps` remaining.
 ///
-/// With caching a cache step processes the block (`block` tokens) and a recompute step the
-/// whole sequence; without caching every step processes the whole sequence.
-pub fn request_load(steps: StepsLeft, seq_tokens: f64, block: f64, caching: bool) -> f64 {
+/// With caching a cache step processes the block (`block` tokens) and a recompute step
+/// `full_tokens` ([`super::request::Request::full_step_tokens`]: the whole sequence, two
+/// blocks under the exact cache); without caching every step the whole sequence.
+pub fn request_load(steps: StepsLeft, full_tokens: f64, block: f64, caching: bool) -> f64 {
     if caching {
-        steps.cache * block + steps.recompute * seq_tokens
+        steps.cache * block + steps.recompute * full_tokens
     } else {
-        (steps.cache + steps.recompute) * seq_tokens
+        (steps.cache + steps.recompute) * full_tokens
     }
 }
 

@@ -107,6 +107,16 @@ impl Request {
         u64::from(self.prompt_len) + u64::from(self.output_len)
     }
 
+    /// Tokens a full step of a later block feeds (its load): the whole sequence, or under
+    /// the exact cache the block just finished and the new one.
+    pub fn full_step_tokens(&self) -> u64 {
+        if self.exact {
+            2 * u64::from(self.block_length)
+        } else {
+            self.seq_tokens()
+        }
+    }
+
     /// Tokens the next step of this request adds to a batch.
     pub fn step_tokens(&self) -> u64 {
         match self.next_kind {
@@ -330,6 +340,19 @@ mod tests {
         spec.pinned_tau = Some(0.73);
         let (r, allowed) = Request::from_spec(&spec, &config(), 0).unwrap();
         assert_eq!((r.pinned, allowed), (Some(0.73), 0b00100), "planned as 0.7");
+    }
+
+    #[test]
+    fn under_the_exact_cache_a_blocks_full_step_loads_two_blocks_not_the_sequence() {
+        let spec = RequestSpec::new(1, 0.0, 10.0, 7, 64);
+        let (r, _) = Request::from_spec(&spec, &config(), 0).unwrap();
+        assert_eq!(r.full_step_tokens(), 71);
+        let exact = SchedulerConfig {
+            exact_cache: true,
+            ..config()
+        };
+        let (r, _) = Request::from_spec(&spec, &exact, 0).unwrap();
+        assert_eq!(r.full_step_tokens(), 64, "two blocks of 32");
     }
 
     #[test]

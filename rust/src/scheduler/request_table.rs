@@ -213,12 +213,12 @@ impl RequestTable {
 
     fn refresh_loads(&mut self, pos: u32, range: std::ops::Range<usize>) {
         let r = &self.cols.reqs[pos as usize];
-        let (seq, block) = (r.seq_tokens() as f64, f64::from(r.block_length));
+        let (full, block) = (r.full_step_tokens() as f64, f64::from(r.block_length));
         for (load, s) in self.cols.loads[range.clone()]
             .iter_mut()
             .zip(&self.cols.steps[range])
         {
-            *load = request_load(*s, seq, block, self.caching);
+            *load = request_load(*s, full, block, self.caching);
         }
     }
 

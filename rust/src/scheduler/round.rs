@@ -658,7 +658,14 @@ pub(crate) fn step_prices(
     caching: bool,
     block: u32,
 ) -> StepPrices {
-    let full = costs.full_tokens(inst.resident_tokens) * inst.factor;
+    // A request's full step: the whole batch recomputes, or under the exact cache its
+    // cache step carries one more block.
+    let full = if costs.exact {
+        let tokens = f64::from(block) * f64::from(inst.residents + 1);
+        costs.cache(tokens, mean_context(inst)) * inst.factor
+    } else {
+        costs.full_tokens(inst.resident_tokens) * inst.factor
+    };
     let cache = if caching {
         costs.cache(
             f64::from(block) * f64::from(inst.residents),

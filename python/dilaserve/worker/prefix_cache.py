@@ -1,0 +1,137 @@
+"""Prefix sharing for block diffusion's exact KV cache: the K/V of a prompt's whole blocks
+is final once computed (later positions never change it), so a request whose prompt starts
+with blocks another request already computed takes their K/V instead of recomputing it.
+
+Blocks are keyed by their content and everything before them (a chain: the previous
+block's key and this block's tokens — content and position, as vLLM's prefix caching and
+SGLang's block radix cache key them), compared exactly, never by a hash alone. Each stored
+block is one extent of the KV pool in space no request holds: the store never takes room a
+request needs, since the pool evicts stored blocks, least recently used first, before it
+refuses an allocation. A hit is copied into the request's own extent (a device copy of
+`block` rows per layer, far cheaper than the forward it replaces): a request's K/V stays
+one contiguous extent, which attention reads with no gather.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from dilaserve.worker.kv_cache import KVCachePool, Move
+
+#: A stored block's key: the key id of the block before it (0 for the first) and its tokens.
+BlockKey = tuple[int, tuple[int, ...]]
+
+
+@dataclass
+class PrefixStats:
+    """Prompt tokens looked up in the store and those found there (their prefill saved)."""
+
+    looked_up_tokens: int = 0
+    hit_tokens: int = 0
+
+    @property
+    def hit_token_share(self) -> float:
+        return self.hit_tokens / self.looked_up_tokens if self.looked_up_tokens else 0.0
+
+
+@dataclass
+class _Entry:
+    key_id: int  # names this block as the parent of the next one
+    pool_id: int  # its extent's id in the pool
+
+
+class PrefixCache:
+    """Computed prompt blocks of `block` tokens, kept in the free space of `pool`."""
+
+    def __init__(self, pool: KVCachePool, block: int) -> None:
+        self.pool = pool
+        self.block = block
+        self._entries: OrderedDict[BlockKey, _Entry] = OrderedDict()  # oldest use first
+        self._ids = itertools.count(1)
+        self.stats = PrefixStats()
+        pool.reclaim = self._evict
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _blocks(self, prompt: list[int]) -> range:
+        return range(0, len(prompt) - len(prompt) % self.block, self.block)
+
+    def load(self, request_id: int, prompt: list[int]) -> int:
+        """Copies the stored K/V of `prompt`'s longest stored run of leading blocks into
+        `request_id`'s extent; the positions it covers."""
+        self.stats.looked_up_tokens += len(self._blocks(prompt)) * self.block
+        hits: list[BlockKey] = []
+        parent = 0
+        for start in self._blocks(prompt):
+            key = (parent, tuple(prompt[start : start + self.block]))
+            entry = self._entries.get(key)
+            if entry is None:
+                break
+            hits.append(key)
+            parent = entry.key_id
+        base = self.pool.base(request_id)
+        self.pool.copy(
+            [
+                Move(self.pool.base(self._entries[key].pool_id), base + i * self.block, self.block)
+                for i, key in enumerate(hits)
+            ]
+        )
+        self._touch(hits)
+        covered = len(hits) * self.block
+        self.stats.hit_tokens += covered
+        return covered
+
+    def store(self, request_id: int, prompt: list[int]) -> None:
+        """Keeps the K/V of `prompt`'s whole blocks, final in `request_id`'s extent, in
+        room no request holds (evicting the least recently used blocks of other prompts)."""
+        chain: list[BlockKey] = []
+        added: list[tuple[BlockKey, int]] = []  # new blocks and their prompt positions
+        parent = 0
+        for start in self._blocks(prompt):
+            key = (parent, tuple(prompt[start : start + self.block]))
+            entry = self._entries.get(key)
+            if entry is None:
+                if not self._make_room(set(chain)):
+                    break
+                key_id = next(self._ids)
+                entry = self._entries[key] = _Entry(key_id, pool_id=-key_id)
+                self.pool.allocate(entry.pool_id, self.block)
+                added.append((key, start))
+            chain.append(key)
+            parent = entry.key_id
+        # Allocation may compact the pool: read the bases once every block is placed.
+        base = self.pool.base(request_id)
+        self.pool.copy(
+            [
+                Move(base + start, self.pool.base(self._entries[key].pool_id), self.block)
+                for key, start in added
+            ]
+        )
+        self._touch(chain)
+
+    def _touch(self, chain: list[BlockKey]) -> None:
+        """Marks `chain` used, its root last: a chain is evicted from its end, so a stored
+        block's parent is always stored too."""
+        for key in reversed(chain):
+            self._entries.move_to_end(key)
+
+    def _make_room(self, keep: set[BlockKey]) -> bool:
+        """Frees room for one more block, evicting stored blocks outside `keep`."""
+        while self.pool.free_tokens < self.block:
+            oldest = next((k for k in self._entries if k not in keep), None)
+            if oldest is None:
+                return False
+            self.pool.free(self._entries.pop(oldest).pool_id)
+        return True
+
+    def _evict(self, tokens: int) -> None:
+        """The pool's reclaim hook: frees at least `tokens` rows of stored blocks (all, if
+        they hold fewer)."""
+        freed = 0
+        while self._entries and freed < tokens:
+            _, entry = self._entries.popitem(last=False)
+            self.pool.free(entry.pool_id)
+            freed += self.block
