@@ -397,8 +397,14 @@ impl Scheduler {
             r.current_block += 1;
             r.unmasked_in_block = 0;
             r.block_steps = 0;
-            if caching && !exact {
-                r.next_kind = StepKind::Recompute;
+            if caching {
+                // The exact cache's K/V outlives the block: the next one opens with a cache
+                // step; the approximate cache recomputes.
+                r.next_kind = if exact {
+                    StepKind::Cache
+                } else {
+                    StepKind::Recompute
+                };
             }
         } else if caching {
             r.next_kind = StepKind::Cache;

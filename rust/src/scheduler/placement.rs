@@ -336,8 +336,9 @@ impl Placement {
         })
     }
 
-    /// *(ours)* Whether a request of `seq` tokens (next step `n` tokens) gains by leaving
-    /// its `home` for `to`: whether `to` finishes its next step and the policy's
+    /// *(ours)* Whether a request of `seq` tokens gains by leaving its `home` (next step
+    /// `n_home` tokens there) for `to` (`n_to` tokens there: under the exact cache a
+    /// recompute of its prefix): whether `to` finishes its next step and the policy's
     /// `lookahead_steps` further ones, priced at both instances' steady loads (its own
     /// share added on `to`), at least `migration_gain` of the time from now sooner than
     /// `home` does.
@@ -345,7 +346,7 @@ impl Placement {
         &self,
         home: PricedInstance<'_>,
         to: PricedInstance<'_>,
-        n: u64,
+        (n_home, n_to): (u64, u64),
         seq: u64,
         policy: &Policy,
     ) -> bool {
@@ -354,10 +355,11 @@ impl Placement {
             steps,
             ..self.lookahead
         };
-        let key = |(slot, inst, costs): PricedInstance<'_>, own: u64| {
+        let key = |(slot, inst, costs): PricedInstance<'_>, n: u64, own: u64| {
             completion_key(&self.priced_leaf(slot, inst, horizon), n, steps, own, costs) - self.now
         };
-        key(to, horizon.per_step(1, seq)) < key(home, 0) * (1.0 - policy.migration_gain)
+        key(to, n_to, horizon.per_step(1, seq))
+            < key(home, n_home, 0) * (1.0 - policy.migration_gain)
     }
 
     /// The pricing fields of `slot`'s leaf with its steady load over `horizon`.

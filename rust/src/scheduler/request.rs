@@ -120,9 +120,28 @@ impl Request {
     /// Tokens the next step of this request adds to a batch.
     pub fn step_tokens(&self) -> u64 {
         match self.next_kind {
+            StepKind::Cache if self.opens_exact_block() => self.full_step_tokens(),
             StepKind::Cache => u64::from(self.block_length),
             StepKind::Recompute if self.exact => self.prefix_tokens(),
             StepKind::Recompute | StepKind::NoCache => self.seq_tokens(),
+        }
+    }
+
+    /// *(ours)* Under the exact cache, whether the next step opens a block after the
+    /// first: a cache step at home (it feeds the finished block and the new one), or, on
+    /// another instance, a recompute of the prefix up to the new block's end
+    /// ([`Request::move_tokens`]) — where a costed migration may pay.
+    pub fn opens_exact_block(&self) -> bool {
+        self.exact && self.next_kind == StepKind::Cache && self.block_steps == 0
+    }
+
+    /// Tokens the next step feeds on an instance that does not hold this request's cache:
+    /// under the exact cache the prefix up to the current block's end, else the sequence.
+    pub fn move_tokens(&self) -> u64 {
+        if self.exact {
+            self.prefix_tokens()
+        } else {
+            self.seq_tokens()
         }
     }
 

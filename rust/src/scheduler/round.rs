@@ -255,8 +255,16 @@ impl Scheduler {
         );
         scratch.assigned.clear();
         scratch.free.clear();
+        let migration = config.policy.migration;
         let placing = |r: &Request, instances: &[Instance]| match r.home {
-            Some(h) if caching && r.next_kind == StepKind::Cache => Placing::Stay(h),
+            // Under the exact cache a block's first step may move, paying a prefill there.
+            Some(h)
+                if caching
+                    && r.next_kind == StepKind::Cache
+                    && !(migration && r.opens_exact_block()) =>
+            {
+                Placing::Stay(h)
+            }
             Some(h) if !config.policy.migration && !instances[h as usize].draining => {
                 Placing::Stay(h)
             }
@@ -324,7 +332,8 @@ impl Scheduler {
         placement.build(&instances.slots);
         for &pos in &scratch.free {
             let r = *requests.req(pos);
-            let n = r.step_tokens();
+            // Elsewhere a step may feed more than at home: a prefill under the exact cache.
+            let (n_home, n) = (r.step_tokens(), r.move_tokens().max(r.step_tokens()));
             let seq = r.seq_tokens();
             let reserved_slot = reservation.filter(|v| v.handle == r.handle).map(|v| v.slot);
             let mut best = placement.best(n, seq, groups);
@@ -341,7 +350,7 @@ impl Scheduler {
                 Some(h) => {
                     let inst = &instances.slots[h as usize];
                     let home = (h, inst, &groups[inst.group]);
-                    let stays = match (placement.home_key(h, inst, n, seq, home.2), best) {
+                    let stays = match (placement.home_key(h, inst, n_home, seq, home.2), best) {
                         (None, _) => false,
                         (Some(_), None) => true,
                         // Earliest completion moves only what wins its key and also pays
@@ -353,7 +362,13 @@ impl Scheduler {
                                     && {
                                         let to = &instances.slots[b.slot as usize];
                                         let to = (b.slot, to, &groups[to.group]);
-                                        !placement.move_pays(home, to, n, seq, &config.policy)
+                                        !placement.move_pays(
+                                            home,
+                                            to,
+                                            (n_home, n),
+                                            seq,
+                                            &config.policy,
+                                        )
                                     }
                         }
                     };
@@ -393,6 +408,7 @@ impl Scheduler {
                 continue;
             };
             let new_resident = r.home != Some(target);
+            let n = if new_resident { n } else { n_home };
             if !placement.open[target as usize] {
                 let inst = &instances.slots[target as usize];
                 placement.add_free(target, inst, n, new_resident.then_some(seq));
@@ -410,7 +426,7 @@ impl Scheduler {
                         MigrationReason::Draining
                     } else if !placement.open[h as usize] {
                         MigrationReason::HomeBusy
-                    } else if !placement.fits(h, inst, n) {
+                    } else if !placement.fits(h, inst, n_home) {
                         MigrationReason::HomeFull
                     } else {
                         MigrationReason::Rebalance
@@ -443,6 +459,10 @@ impl Scheduler {
             }
             requests.set_ready(pos, false);
             let r = requests.req_mut(pos);
+            if new_resident && r.opens_exact_block() {
+                // Its cache stays behind: the new instance prefills the prefix first.
+                r.next_kind = StepKind::Recompute;
+            }
             r.home = Some(target);
             r.displaced_from = None;
             let (first, changed) = (r.last_instance.is_none(), r.last_instance != Some(to));
