@@ -11,6 +11,7 @@ import torch
 from dilaserve import LatencyProfile, LatencyProfileError
 from dilaserve.cli import main
 from dilaserve.models import load_model
+from dilaserve.models.testing import write_tiny_checkpoint
 from dilaserve.profiles import SIMULATED_LLADA8B
 from dilaserve.profiling import ProfileError, ProfileSettings, measure_profile
 from dilaserve.protocol import CacheMode
@@ -81,6 +82,26 @@ def test_prefix_cache_steps_count_the_suffix_they_feed(tiny_llada_dir):
     dual = measure_profile(load_model(tiny_llada_dir), replace(settings, cache_mode=CacheMode.DUAL))
     (cache,) = [t for t in dual["tables"] if t["kind"] == "cache"]
     assert [t for t, _ in cache["points"]] == [8, 16]
+
+
+def test_a_block_diffusion_model_is_profiled_with_its_exact_cache(tmp_path, capsys):
+    """With no --block-length or --cache-mode, a block diffusion model is timed with its own
+    block and the exact cache: a cache step feeds one block per request and attends to
+    whole blocks; a block length the model does not decode is refused."""
+    directory = write_tiny_checkpoint(tmp_path / "bd", "llada2", block_length=8)
+    out = tmp_path / "profile.json"
+    grid = ["--tokens", "16,48", "--cache-context", "24", "--repeats", "1"]
+    assert main(["profile", "--model", str(directory), "--output", str(out), *grid]) == 0
+    profile = LatencyProfile.load(str(out))
+    assert profile.block_length == 8
+    assert profile.contexts(1, "cache") == [24]
+    assert [t for t, _ in profile.points(1, "cache", 24)] == [16, 48]
+    assert [t for t, _ in profile.points(1, "recompute")] == [16, 48]
+    bad = ["profile", "--model", str(directory), "--output", str(out), "--block-length", "4"]
+    assert main([*bad, *grid]) != 0
+    assert "blocks of 8" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="whole 8-token"):
+        replace(SMALL_GRID, cache_mode=CacheMode.BLOCK, cache_contexts=(20,)).check()
 
 
 def test_profiles_the_shipped_trained_model():

@@ -46,8 +46,8 @@ class ProfileSettings:
     max_request_tokens: int = 512
     # Sequence lengths of the requests whose cache steps are timed (their attention span).
     cache_contexts: Sequence[int] = DEFAULT_CACHE_CONTEXTS
-    # Which approximate cache the cache steps run: dual feeds the block, prefix the block
-    # and its suffix.
+    # Which cache the cache steps run: dual feeds the block, prefix the block and its
+    # suffix; block (block diffusion's exact cache) the block, attending to its end.
     cache_mode: CacheMode = CacheMode.DUAL
     repeats: int = 5
     tp: int = 1
@@ -58,12 +58,17 @@ class ProfileSettings:
         if b <= 0 or self.repeats <= 0 or min(self.token_grid, default=0) <= 0:
             raise ValueError("--block-length, --tokens and --repeats must be positive")
         if self.cache_mode is CacheMode.NONE:
-            raise ValueError("the cache mode to profile must be dual or prefix")
-        shortest = 2 * b if self.cache_mode is CacheMode.PREFIX else b + 1
+            raise ValueError("the cache mode to profile must be dual, prefix or block")
+        shortest = b + 1 if self.cache_mode is CacheMode.DUAL else 2 * b
         if not self.cache_contexts or min(self.cache_contexts) < shortest:
             raise ValueError(
                 f"--cache-context lengths must be at least {shortest} tokens (a prompt "
                 f"token and {'two blocks' if shortest == 2 * b else 'one block'})"
+            )
+        if self.cache_mode is CacheMode.BLOCK and any(c % b for c in self.cache_contexts):
+            raise ValueError(
+                f"under the block cache --cache-context lengths must be whole {b}-token "
+                "blocks (a step attends to the end of its block)"
             )
 
 
@@ -105,6 +110,11 @@ def measure_degrees(
     _, config = read_config(model_dir)
     for degree in degrees:
         check_degree(config, degree, Path(model_dir) / "config.json")
+    if config.block_size and settings.block_length != config.block_size:
+        raise ValueError(
+            f"this block diffusion model decodes blocks of {config.block_size} tokens, "
+            f"not --block-length {settings.block_length}"
+        )
     profiles = []
     for degree in sorted(set(degrees)):
         at_degree = replace(settings, tp=degree)
@@ -173,13 +183,15 @@ def _requests(
     b = s.block_length
     if kind is StepKind.CACHE:
         assert context is not None
-        # Dual: one output block after the prompt. Prefix: two, so the first block's cache
-        # steps also feed a one-block suffix.
+        # Dual and block: one output block after the prompt. Prefix: two, so the first
+        # block's cache steps also feed a one-block suffix.
         output = 2 * b if s.cache_mode is CacheMode.PREFIX else b
         fed = output
         return [(context - output, output)] * max(1, tokens // fed)
     count = -(-tokens // s.max_request_tokens)
     per = tokens // count
+    if s.cache_mode is CacheMode.BLOCK:  # block diffusion prompts are whole blocks
+        per = max(2 * b, per - per % b)
     return [(per - b, b)] * count
 
 
@@ -249,7 +261,12 @@ def _add_requests(
             prompt = [_random_token(rng, config) for _ in range(p)]
             runner.add(
                 RequestState.new(
-                    rid, prompt, o, block_length=s.block_length, mask_token_id=config.mask_token_id
+                    rid,
+                    prompt,
+                    o,
+                    block_length=s.block_length,
+                    mask_token_id=config.mask_token_id,
+                    aligned=bool(config.block_size),
                 )
             )
         if kind is not StepKind.CACHE:

@@ -7,6 +7,7 @@ import argparse
 import torch
 
 from dilaserve.cli.common import add_model_arguments, default_dtype, model_dir
+from dilaserve.models import read_config
 from dilaserve.profiling import (
     DEFAULT_CACHE_CONTEXTS,
     DEFAULT_TOKEN_GRID,
@@ -33,7 +34,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_model_arguments(p)
     p.add_argument("--output", "-o", default="profile.json", help="profile JSON to write")
-    p.add_argument("--block-length", type=int, default=32)
+    p.add_argument(
+        "--block-length", type=int, help="default: 32, or a block diffusion model's block"
+    )
     p.add_argument(
         "--tokens",
         type=_ints,
@@ -50,9 +53,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--cache-mode",
-        choices=[CacheMode.DUAL.value, CacheMode.PREFIX.value],
-        default=CacheMode.DUAL.value,
-        help="approximate cache the cache steps run (prefix feeds the block and its suffix)",
+        choices=[CacheMode.DUAL.value, CacheMode.PREFIX.value, CacheMode.BLOCK.value],
+        help="cache the cache steps run (prefix feeds the block and its suffix; default: "
+        "dual, or block — the exact cache — for a block diffusion model)",
     )
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument(
@@ -74,12 +77,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
+    _, config = read_config(model_dir(args))
+    exact = bool(config.block_size)
     settings = ProfileSettings(
-        block_length=args.block_length,
+        block_length=args.block_length or config.block_size or 32,
         token_grid=args.tokens,
         max_request_tokens=args.max_request_tokens,
         cache_contexts=args.cache_context,
-        cache_mode=CacheMode(args.cache_mode),
+        cache_mode=CacheMode(args.cache_mode or ("block" if exact else "dual")),
         repeats=args.repeats,
     )
     settings.check()
