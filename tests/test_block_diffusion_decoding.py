@@ -212,9 +212,7 @@ def test_requests_sharing_a_system_prompt_compute_its_blocks_once_and_decode_as_
 
     def add(rid, prompt):
         r.add(
-            RequestState.new(
-                rid, prompt, GEN, block_length=BLOCK, mask_token_id=mask, aligned=True
-            )
+            RequestState.new(rid, prompt, GEN, block_length=BLOCK, mask_token_id=mask, aligned=True)
         )
 
     add(1, first)
@@ -233,7 +231,11 @@ def test_requests_sharing_a_system_prompt_compute_its_blocks_once_and_decode_as_
     assert r.prefix.stats.hit_tokens == 12 + 16
     assert r.step([StepEntry(3, TAU, StepKind.RECOMPUTE)]).forward_tokens == 4
     unshared = StepRunner(
-        model, cache=CacheMode.BLOCK, max_requests=4, max_seq_len=64, kv_cache_memory=1 << 22,
+        model,
+        cache=CacheMode.BLOCK,
+        max_requests=4,
+        max_seq_len=64,
+        kv_cache_memory=1 << 22,
         prefix_caching=False,
     )
     assert unshared.prefix is None

@@ -14,7 +14,12 @@ from dilaserve.predictor import (
     PredictorError,
     PredictorModelError,
 )
-from dilaserve.predictor.features import FEATURE_NAMES, repeat_over_thresholds
+from dilaserve.predictor.features import (
+    BLOCK_FEATURES,
+    FEATURE_NAMES,
+    feature_matrix,
+    repeat_over_thresholds,
+)
 from dilaserve.scheduler import (
     LatencyProfile,
     Policy,
@@ -59,6 +64,25 @@ def test_rust_features_equal_python_features(heldout, shipped, taus):
     booster = lgb.Booster(model_file=str(total_path))
     expected = booster.predict(repeat_over_thresholds(st, taus, FEATURE_NAMES))
     got = GbmPredictor.from_forests(Forest.load(total_path)).predict(st, taus)
+    np.testing.assert_array_equal(got.total.ravel(), np.maximum(expected, 1.0))
+
+
+def test_the_remaining_blocks_feature_is_computed_alike_in_rust(heldout, tmp_path):
+    """A booster on the block features (trained here on the shipped traces) predicts in
+    Rust what LightGBM predicts on the Python features."""
+    st = states(heldout)
+    names = [*FEATURE_NAMES, *BLOCK_FEATURES]
+    x = feature_matrix(st, heldout.column("tau").to_numpy(), names)
+    remaining = x[:, names.index("remaining_blocks")]
+    assert remaining.min() >= 1 and len(np.unique(remaining)) > 1
+    label = heldout.column("remaining_steps").to_numpy()
+    params = {"num_leaves": 8, "verbose": -1, "seed": 0}
+    booster = lgb.train(params, lgb.Dataset(x, label, feature_name=names), num_boost_round=5)
+    assert booster.feature_importance()[names.index("remaining_blocks")] > 0
+    path = tmp_path / "predictor.txt"
+    booster.save_model(str(path))
+    expected = booster.predict(repeat_over_thresholds(st, TAUS, names))
+    got = GbmPredictor.from_forests(Forest.load(path)).predict(st, TAUS)
     np.testing.assert_array_equal(got.total.ravel(), np.maximum(expected, 1.0))
 
 

@@ -13,10 +13,18 @@ import pytest
 
 from dilaserve.cli import main as cli
 from dilaserve.models import load_model, load_tokenizer
+from dilaserve.models.testing import write_tiny_checkpoint
 from dilaserve.predictor.calibrate import RateTable, rates_from_table
-from dilaserve.predictor.collect import CollectConfig, Prompt, collect, plan_runs
+from dilaserve.predictor.collect import (
+    CollectConfig,
+    Prompt,
+    collect,
+    load,
+    plan_runs,
+    recorded_config,
+)
 from dilaserve.predictor.evaluate import best_interval, refresh_errors, sorted_by_run
-from dilaserve.predictor.features import FEATURE_NAMES
+from dilaserve.predictor.features import BLOCK_FEATURES, FEATURE_NAMES
 from dilaserve.predictor.train import TrainConfig, train
 from dilaserve.tiny import default_model_dir
 from dilaserve.worker.runner import StepRunner
@@ -127,3 +135,27 @@ def test_cli_train_and_calibrate(capsys, tmp_path):
     assert cli(["predictor", "calibrate", "--data", data, "--out", str(out)]) == 0
     rates = RateTable.load(out)
     assert len(rates.points) == 6 and np.all(np.diff([r for _, r in rates.points]) < 0)
+
+
+def test_a_block_diffusion_model_is_collected_with_its_exact_cache_and_blocks(tmp_path, capsys):
+    """`collect` decodes a block diffusion model with the block cache, aligned to its own
+    blocks; `train` then gives the boosters the remaining-blocks feature."""
+    directory = write_tiny_checkpoint(tmp_path / "bd", "llada2", block_length=4)
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [{"prompt": "hello world " * (1 + i % 3), "max_tokens": 6 + i % 5} for i in range(24)]
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    data = tmp_path / "traces.parquet"
+    decode = ["--model", str(directory), "--prompts", str(prompts), "--quiet"]
+    args = ["predictor", "collect", "--out", str(data), "--thresholds", "0.5,1.0", *decode]
+    assert cli([*args, "--switched-runs", "1"]) == 0
+    table = load(data)
+    assert recorded_config(table)["cache"] == "block"
+    assert set(table.column("block_length").to_pylist()) == {4}
+    # Aligned: every prompt's blocks plus the output's are whole 4-token blocks.
+    lengths = np.add(table.column("prompt_length"), table.column("output_length"))
+    assert np.all(lengths % 4 == 0)
+    capsys.readouterr()
+    out = tmp_path / "boosters"
+    assert cli(["predictor", "train", "--data", str(data), "--out", str(out), "--json"]) == 0
+    header = (out / "predictor.txt").read_text().split("feature_names=")[1].splitlines()[0]
+    assert header.split() == [*FEATURE_NAMES, *BLOCK_FEATURES]

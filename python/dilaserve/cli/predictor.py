@@ -81,8 +81,14 @@ def _add_decode_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n", type=int, default=600, help="task-suite prompts to draw")
     p.add_argument("--seed", type=int, default=20_260_612, help="seed of the drawn prompts")
     p.add_argument("--thresholds", type=_floats, default=(0.5, 0.6, 0.7, 0.8, 0.9, 1.0))
-    p.add_argument("--cache", default="dual", choices=["none", "prefix", "dual"])
-    p.add_argument("--block-length", type=int, default=32)
+    p.add_argument(
+        "--cache",
+        choices=["none", "prefix", "dual", "block"],
+        help="default: dual, or block for a block diffusion model",
+    )
+    p.add_argument(
+        "--block-length", type=int, help="default: 32, or a block diffusion model's block"
+    )
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_model_arguments(p)
@@ -95,17 +101,19 @@ def _decode(args: argparse.Namespace, switched_runs: int, max_switch_step: int =
 
     if args.n <= 0:
         raise ValueError("--n must be positive")
+    model = load_model_from_args(args)
+    block = model.config.block_size
     config = CollectConfig(
         thresholds=args.thresholds,
         switched_runs=switched_runs,
         max_switch_step=max_switch_step,
-        block_length=args.block_length,
+        block_length=args.block_length or block or 32,
         batch_size=args.batch_size,
-        cache=args.cache,
+        cache=args.cache or ("block" if block else "dual"),
         seed=args.seed,
     )
     prompts = load_prompts(args.prompts) if args.prompts else tiny_prompts(args.n, args.seed)
-    runner = StepRunner(load_model_from_args(args), cache=args.cache, max_requests=args.batch_size)
+    runner = StepRunner(model, cache=config.cache, max_requests=args.batch_size)
     runs = len(prompts) * (len(config.thresholds) + config.switched_runs)
     with tqdm(total=runs, disable=args.quiet, file=sys.stderr, unit="run") as bar:
         return collect(runner, load_tokenizer(model_dir(args)), prompts, config, bar.update)
@@ -121,17 +129,22 @@ def run_collect(args: argparse.Namespace) -> int:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from dilaserve.predictor.collect import load
+    from dilaserve.predictor.collect import load, recorded_config
     from dilaserve.predictor.evaluate import (
         best_interval,
         refresh_errors,
         row_predictor,
         sorted_by_run,
     )
+    from dilaserve.predictor.features import BLOCK_FEATURES, FEATURE_NAMES
     from dilaserve.predictor.native import GbmPredictor
     from dilaserve.predictor.train import TrainConfig, train
 
+    table = load(args.data)
+    # Under the exact block cache, what is left is blocks times their steps.
+    exact = recorded_config(table).get("cache") == "block"
     config = TrainConfig(
+        features=FEATURE_NAMES + BLOCK_FEATURES if exact else FEATURE_NAMES,
         num_leaves=args.num_leaves,
         max_depth=args.max_depth,
         learning_rate=args.learning_rate,
@@ -139,7 +152,6 @@ def run_train(args: argparse.Namespace) -> int:
         heldout=args.heldout,
         seed=args.seed,
     )
-    table = load(args.data)
     result = train(table, config)
     out = Path(args.out or model_dir(args))
     total, recompute = result.save(out)

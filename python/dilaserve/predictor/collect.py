@@ -115,6 +115,12 @@ class _Trace:
     committed: int = 0  # output positions unmasked when the run ended
 
 
+def unmasked(state: RequestState) -> int:
+    """Output positions not masked, as the scheduler counts them: a block diffusion
+    request's lead (its prompt's tail in the first block) included."""
+    return state.num_committed + state.lead
+
+
 def _state_row(state: RequestState, confidence: tuple[float, ...] | None) -> dict:
     block = state.current_block
     start = block * state.block_length
@@ -126,7 +132,7 @@ def _state_row(state: RequestState, confidence: tuple[float, ...] | None) -> dic
         "block_length": state.block_length,
         "steps_done": state.steps_done,
         "block_steps": state.block_steps,
-        "unmasked": state.num_committed,
+        "unmasked": unmasked(state),
         "unmasked_in_block": sum(1 for t in in_block if t != state.mask_token_id),
         **dict(zip(CONFIDENCE_COLUMNS, conf, strict=True)),
     }
@@ -162,6 +168,7 @@ def decode_runs(
                     block_length=config.block_length,
                     mask_token_id=model.mask_token_id,
                     stop_token_ids=model.stop_token_ids if config.stop_at_eos else (),
+                    aligned=bool(model.block_size),
                 )
             )
         active = list(group)
@@ -185,7 +192,7 @@ def decode_runs(
                     valid = not block_done and all(math.isfinite(x) for x in stats)
                     trace.confidence = stats if valid else None
                     if out.done:
-                        trace.committed = runner.state(out.request_id).num_committed
+                        trace.committed = unmasked(runner.state(out.request_id))
                     else:
                         active.append(out.request_id)
         finally:
@@ -302,6 +309,13 @@ def save(table: pa.Table, path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, path)
     return path
+
+
+def recorded_config(table: pa.Table) -> dict:
+    """The `CollectConfig` a collected table was recorded under (empty if it says none)."""
+    meta = table.schema.metadata or {}
+    raw = meta.get(b"collect_config")
+    return json.loads(raw) if raw else {}
 
 
 def load(path: str | Path) -> pa.Table:

@@ -32,8 +32,11 @@ FEATURE_NAMES: tuple[str, ...] = (
 ONE_SHOT_FEATURES: tuple[str, ...] = ("threshold", "prompt_length", "output_length")
 #: DESIGN §3's features without the confidence statistics.
 PROGRESS_FEATURES: tuple[str, ...] = FEATURE_NAMES[:6]
+#: Blocks not yet finished, the current one included: under block diffusion a request's
+#: remaining work is these blocks' steps.
+BLOCK_FEATURES: tuple[str, ...] = ("remaining_blocks",)
 #: Every feature a model may use; the Rust core knows the same names.
-KNOWN_FEATURES: tuple[str, ...] = (*FEATURE_NAMES, "prompt_length")
+KNOWN_FEATURES: tuple[str, ...] = (*FEATURE_NAMES, "prompt_length", *BLOCK_FEATURES)
 
 CONFIDENCE_COLUMNS: tuple[str, ...] = FEATURE_NAMES[6:]
 
@@ -81,6 +84,8 @@ def feature_matrix(
         "full_unmask_progress": lambda: col("unmasked") / output,
         "block_progress": lambda: col("block_steps") / block,
         "block_unmask_progress": lambda: col("unmasked_in_block") / block,
+        # Positions of finished blocks: everything unmasked outside the current block.
+        "remaining_blocks": lambda: (output - col("unmasked") + col("unmasked_in_block")) / block,
     }
     for c in CONFIDENCE_COLUMNS:
         computed[c] = lambda c=c: col(c)

@@ -24,9 +24,10 @@ pub const FEATURE_NAMES: [&str; 11] = [
     "confidence_q75",
 ];
 
-/// Every feature a booster may use: DESIGN §3's and the prompt length (which the one-shot
-/// ablation, knowing only lengths and τ, uses).
-pub const KNOWN_FEATURES: [&str; 12] = [
+/// Every feature a booster may use: DESIGN §3's, the prompt length (which the one-shot
+/// ablation, knowing only lengths and τ, uses) and the blocks not yet finished, the current
+/// one included (block diffusion: a block's steps, then the next block's).
+pub const KNOWN_FEATURES: [&str; 13] = [
     "threshold",
     "output_length",
     "full_progress",
@@ -39,6 +40,7 @@ pub const KNOWN_FEATURES: [&str; 12] = [
     "confidence_mean",
     "confidence_q75",
     "prompt_length",
+    "remaining_blocks",
 ];
 
 /// Index of `threshold` in [`KNOWN_FEATURES`].
@@ -62,6 +64,8 @@ pub fn known_features(view: &RequestView) -> [f64; KNOWN_FEATURES.len()] {
         conf[3],
         conf[4],
         f64::from(view.prompt_len),
+        // Positions of finished blocks: everything unmasked outside the current block.
+        (output - f64::from(view.unmasked) + f64::from(view.unmasked_in_block)) / block,
     ]
 }
 

@@ -64,7 +64,8 @@ fn features_follow_design() {
             0.3,
             0.4,
             0.5,
-            20.0
+            20.0,
+            3.0
         ]
     );
     assert!(known_features(&view(0, 0, 0, 0))[6..11]
