@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from dilaserve.tiny.tokenizer import (
     save_tokenizer,
 )
 from dilaserve.tiny.train import (
+    TINY_MOE,
     BatchStream,
     Example,
     TrainConfig,
@@ -29,6 +31,7 @@ from dilaserve.tiny.train import (
     collate,
     export,
     make_example,
+    one_noisy_block,
 )
 from dilaserve.worker.runner import StepRunner
 
@@ -135,6 +138,48 @@ def test_collate_masks_answer_positions_only_and_weights_by_inverse_ratio():
     # whatever its mask ratio, so the batch's total weight is about one.
     assert weight[~masked].abs().sum() == 0
     assert 0.8 < float(weight.sum()) < 1.25
+
+
+def test_a_block_diffusion_example_trains_one_block_over_a_clean_prefix():
+    """Block-causal training: each example is cut at the end of one block holding answer
+    positions, and only that block's answer positions are noised."""
+    rng = random.Random(0)
+    examples = [make_example(p, rng) for p in tasks.make_problems(64, seed=3)]
+    generator = torch.Generator().manual_seed(0)
+    cut = [one_noisy_block(e, 8, generator) for e in examples]
+    for e, c in zip(examples, cut, strict=True):
+        assert e.ids[: len(c.ids)] == c.ids
+        assert len(c.ids) == len(e.ids) or len(c.ids) % 8 == 0  # ends at a block's end
+        assert c.answer_start >= e.answer_start and c.answer_start < len(c.ids)
+        assert (len(c.ids) - 1) // 8 == c.answer_start // 8  # the loss lies in one block
+    assert len({len(c.ids) for c in cut}) > 1
+    _, _, _, masked, _ = collate(examples, torch.Generator().manual_seed(1), block=8)
+    for i in range(len(examples)):
+        positions = masked[i].nonzero().flatten().tolist()
+        assert len({p // 8 for p in positions}) <= 1
+
+
+def test_the_moe_run_trains_a_block_diffusion_model_and_balances_its_routers(tmp_path):
+    cfg = replace(
+        TINY_MOE,
+        d_model=32,
+        n_layers=2,
+        n_heads=2,
+        mlp_hidden_size=64,
+        expert_hidden_size=16,
+        batch_tokens=512,
+        steps=4,
+        save_every=4,
+        router_bias_rate=0.01,
+    )
+    trainer = Trainer(cfg, tmp_path)
+    trainer.run()
+    model = load_model(tmp_path / "checkpoint")
+    assert model.config.family == "llada2" and model.config.block_size == 8
+    assert model.config.moe.num_experts == 8 and model.config.moe.first_dense == 1
+    bias = model.layers[1].mlp.router.expert_bias
+    # Moved by ±rate per step towards equal load: over- and under-used experts both.
+    assert bias.abs().max() > 0 and (bias > 0).any() and (bias < 0).any()
 
 
 def test_first_steps_train_the_solo_task_alone():
@@ -248,6 +293,22 @@ def test_eval_command_prints_one_json_object_per_cell(capsys, tmp_path, untraine
     }
     assert all(set(r) == fields and r["n"] == 6 for r in rows)
     assert plot.stat().st_size > 0
+
+
+def test_eval_of_a_block_diffusion_model_compares_its_exact_cache_with_none(capsys, tmp_path):
+    from dilaserve.cli import main
+
+    cfg = replace(TINY_MOE, d_model=32, n_layers=2, n_heads=2, mlp_hidden_size=64)
+    export(build_model(replace(cfg, expert_hidden_size=16), torch.Generator()), tmp_path)
+    args = ["eval", "--json", "--n", "4", "--thresholds", "0.9", "--model", str(tmp_path)]
+    assert main(args) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["cache"] for r in rows] == ["none", "block"]
+    # The exact cache decodes the same tokens: the same accuracy and steps.
+    assert rows[0]["accuracy"] == rows[1]["accuracy"]
+    assert rows[0]["mean_steps"] == rows[1]["mean_steps"]
+    assert main([*args, "--caches", "dual"]) == 2
+    assert "choose from ['none', 'block']" in capsys.readouterr().err
 
 
 def test_eval_command_writes_no_plot_unless_asked(capsys, tmp_path, untrained_dir, monkeypatch):

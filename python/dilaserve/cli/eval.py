@@ -8,7 +8,7 @@ import sys
 
 from dilaserve.cli.common import add_model_arguments, load_model_from_args, model_dir
 from dilaserve.models import load_tokenizer
-from dilaserve.tiny.evaluate import CACHE_MODES, EVAL_SEED, THRESHOLDS, SweepRow, plot, sweep
+from dilaserve.tiny.evaluate import EVAL_SEED, THRESHOLDS, SweepRow, modes_of, plot, sweep
 from dilaserve.tiny.tasks import make_problems
 
 
@@ -31,9 +31,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=EVAL_SEED, help="seed of the held-out problems")
     p.add_argument("--thresholds", type=_floats, default=list(THRESHOLDS))
     p.add_argument(
-        "--caches", type=lambda s: s.split(","), default=list(CACHE_MODES), help="e.g. none,dual"
+        "--caches",
+        type=lambda s: s.split(","),
+        help="e.g. none,dual (default: none,prefix,dual, or none,block for a block diffusion "
+        "model)",
     )
-    p.add_argument("--block-length", type=int, default=32)
+    p.add_argument(
+        "--block-length", type=int, help="default: 32, or a block diffusion model's block"
+    )
     p.add_argument("--batch-size", type=int, default=64, help="problems decoded together")
     p.add_argument("--plot", help="PNG file to write the plot to (none without it)")
     add_model_arguments(p)
@@ -41,15 +46,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.n <= 0 or args.batch_size <= 0 or args.block_length <= 0:
+    if args.n <= 0 or args.batch_size <= 0 or (args.block_length or 1) <= 0:
         raise ValueError("--n, --batch-size and --block-length must be positive")
     if any(not 0.0 <= t <= 1.0 for t in args.thresholds):
         raise ValueError(f"thresholds must lie in [0, 1], got {args.thresholds}")
-    unknown = sorted(set(args.caches) - set(CACHE_MODES))
+    model = load_model_from_args(args)
+    modes = modes_of(model)
+    unknown = sorted(set(args.caches or ()) - set(modes))
     if unknown:
-        raise ValueError(f"unknown cache modes {unknown}; choose from {list(CACHE_MODES)}")
+        raise ValueError(f"unknown cache modes {unknown} for this model; choose from {list(modes)}")
     rows = sweep(
-        load_model_from_args(args),
+        model,
         load_tokenizer(model_dir(args)),
         make_problems(args.n, args.seed),
         thresholds=args.thresholds,

@@ -1,13 +1,18 @@
-"""`dilaserve train-tiny`: train the embedded dilaserve-tiny model from scratch."""
+"""`dilaserve train-tiny`: train an embedded model (dilaserve-tiny, dilaserve-tiny-moe)
+from scratch."""
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import fields
+from dataclasses import fields, replace
 
-from dilaserve.tiny.train import TrainConfig, Trainer
+from dilaserve.tiny import MODEL_NAME, MOE_MODEL_NAME
+from dilaserve.tiny.train import TINY_MOE, TrainConfig, Trainer
 
-# Settings exposed as flags; the defaults are those of the shipped model.
+#: Each embedded model's run.
+RUNS = {MODEL_NAME: TrainConfig(), MOE_MODEL_NAME: TINY_MOE}
+
+# Settings exposed as flags; the defaults are those of the shipped model's run.
 _FLAGS = (
     "seed",
     "steps",
@@ -26,26 +31,30 @@ _FLAGS = (
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train-tiny",
-        help="train the embedded dilaserve-tiny model (masked diffusion on the task suite)",
+        help="train an embedded model (masked diffusion on the task suite)",
         description=(
-            "Train dilaserve-tiny with the LLaDA masked-diffusion objective on the generated "
-            "task suite. Deterministic for a seed; saves a resumable state and an HF-format "
-            "checkpoint (OUT/checkpoint) every --save-every steps."
+            "Train dilaserve-tiny (LLaDA format) or dilaserve-tiny-moe (LLaDA2.x format, block "
+            "diffusion) with the masked-diffusion objective on the generated task suite. "
+            "Deterministic for a seed; saves a resumable state and an HF-format checkpoint "
+            "(OUT/checkpoint) every --save-every steps."
         ),
+    )
+    p.add_argument(
+        "--model", choices=sorted(RUNS), default=MODEL_NAME, help="which embedded model's run"
     )
     p.add_argument("--out", required=True, help="run directory (log, state, checkpoint)")
     p.add_argument("--resume", action="store_true", help="continue the run saved in --out")
     p.add_argument("--no-bf16", dest="bf16", action="store_false", help="train in float32")
-    defaults = TrainConfig()
     types = {f.name: f.type for f in fields(TrainConfig)}
     for name in _FLAGS:
         kind = float if types[name] in (float, "float") else int
-        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=getattr(defaults, name))
+        p.add_argument(f"--{name.replace('_', '-')}", type=kind, help="default: the model's run")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = TrainConfig(bf16=args.bf16, **{name: getattr(args, name) for name in _FLAGS})
+    chosen = {name: getattr(args, name) for name in _FLAGS if getattr(args, name) is not None}
+    cfg = replace(RUNS[args.model], bf16=args.bf16, **chosen)
     if cfg.steps <= 0 or cfg.batch_tokens <= 0 or cfg.threads <= 0:
         raise ValueError("--steps, --batch-tokens and --threads must be positive")
     trainer = Trainer(cfg, args.out)

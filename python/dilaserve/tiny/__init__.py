@@ -11,6 +11,8 @@ from importlib.resources import files
 from pathlib import Path
 
 MODEL_NAME = "dilaserve-tiny"
+#: The embedded block diffusion model (LLaDA2.x format, MoE).
+MOE_MODEL_NAME = "dilaserve-tiny-moe"
 
 
 def default_model_dir() -> Path:

@@ -24,6 +24,8 @@ from dilaserve.worker.runner import StepRunner
 
 THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 CACHE_MODES = ("none", "prefix", "dual")
+#: A block diffusion model's: its exact cache, and no cache to compare it with.
+BLOCK_CACHE_MODES = ("none", "block")
 EVAL_SEED = 20_260_601  # held out: training draws its problems from TrainConfig.seed
 
 
@@ -58,11 +60,13 @@ def decode_problems(
     problems: Sequence[Problem],
     *,
     threshold: float,
-    block_length: int = 32,
+    block_length: int | None = None,
     batch_size: int = 64,
 ) -> tuple[list[Outcome], float]:
-    """Decodes every problem (batched by output length); returns outcomes and seconds."""
+    """Decodes every problem (batched by output length); returns outcomes and seconds.
+    `block_length` defaults to the model's (block diffusion) or 32."""
     mask_id = runner.config.mask_token_id
+    block_length = block_length or runner.config.block_size or 32
     order = sorted(range(len(problems)), key=lambda i: gen_length(problems[i], block_length))
     outcomes: dict[int, Outcome] = {}
     seconds = 0.0
@@ -118,14 +122,15 @@ def sweep(
     problems: Sequence[Problem],
     *,
     thresholds: Sequence[float] = THRESHOLDS,
-    cache_modes: Sequence[str] = CACHE_MODES,
-    block_length: int = 32,
+    cache_modes: Sequence[str] | None = None,
+    block_length: int | None = None,
     batch_size: int = 64,
     on_row: Callable[[SweepRow], None] | None = None,
 ) -> list[SweepRow]:
-    """One row per (cache mode, threshold); `on_row` sees each row as soon as it is done."""
+    """One row per (cache mode, threshold); `on_row` sees each row as soon as it is done.
+    `cache_modes` defaults to those the model's family decodes with (`modes_of`)."""
     rows = []
-    for cache in cache_modes:
+    for cache in cache_modes or modes_of(model):
         runner = StepRunner(model, cache=cache, max_requests=batch_size)
         for tau in thresholds:
             outcomes, seconds = decode_problems(
@@ -140,6 +145,12 @@ def sweep(
             if on_row is not None:
                 on_row(rows[-1])
     return rows
+
+
+def modes_of(model: torch.nn.Module) -> tuple[str, ...]:
+    """The cache modes a sweep of `model` compares: the approximate caches of a
+    bidirectional model, or a block diffusion model's exact cache."""
+    return BLOCK_CACHE_MODES if model.config.block_size else CACHE_MODES
 
 
 def plot(rows: Sequence[SweepRow], path: str | Path) -> Path:

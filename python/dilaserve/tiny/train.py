@@ -7,6 +7,14 @@ loss is the cross-entropy on the masked answer positions weighted by 1/p and nor
 the answer length (LLaDA eq. 5 / MDLM's 1/t weighting); prompt tokens are never masked.
 Tasks are drawn in `tasks.TRAINING_WEIGHTS`, after a first stretch of `add` alone.
 
+The block diffusion model (`family="llada2_moe"`, dilaserve-tiny-moe) attends
+block-causally, so a block is only ever denoised with every earlier block clean: per example
+one block holding answer positions is drawn, the example is cut at its end, and only that
+block's answer positions are masked (as SDAR and LLaDA2's block SFT train, one noisy block
+over a clean prefix). Its routers are balanced without an auxiliary loss, as LLaDA2's are:
+after each step every expert's selection bias moves by `router_bias_rate` towards equal
+load.
+
 The run is deterministic for a seed (one data stream, one torch generator, fixed thread
 count), logs JSON lines, and saves a resumable state plus an HF-format checkpoint directory
 every `save_every` steps, so partial progress is usable.
@@ -27,6 +35,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dilaserve.models import LLADA, DiffusionLM, save_checkpoint
+from dilaserve.models.llada2 import LLADA2
+from dilaserve.models.moe import Router
 from dilaserve.tiny import tasks
 from dilaserve.tiny.tokenizer import EOS_ID, MASK_ID, PAD_ID, VOCAB_SIZE, encode, save_tokenizer
 
@@ -60,6 +70,19 @@ class TrainConfig:
     pool_size: int = 1024  # examples sorted by length together, to batch similar lengths
     log_every: int = 25
     save_every: int = 250
+    # "llada2_moe": the block diffusion MoE model, with the settings below.
+    family: str = "llada"
+    block_size: int = 8
+    num_experts: int = 8
+    experts_per_token: int = 2
+    expert_hidden_size: int = 192
+    router_bias_rate: float = 1e-3
+
+
+#: The embedded block diffusion model's run: 4 layers of 256 (GQA, 4 KV heads), the first
+#: dense, then 8 experts of 192 chosen 2 at a time plus one shared (as many active FFN
+#: weights per token as dilaserve-tiny's 768); a shorter run than dilaserve-tiny's.
+TINY_MOE = TrainConfig(family="llada2_moe", steps=6000, solo_steps=1000, threads=1)
 
 
 def llada_config(cfg: TrainConfig) -> dict[str, Any]:
@@ -97,10 +120,57 @@ def llada_config(cfg: TrainConfig) -> dict[str, Any]:
     }
 
 
+def llada2_config(cfg: TrainConfig) -> dict[str, Any]:
+    """config.json of the tiny block diffusion model, with the keys of a released LLaDA2.x
+    checkpoint (`LLaDA2MoeConfig`)."""
+    return {
+        "architectures": ["LLaDA2MoeModelLM"],
+        "model_type": "llada2_moe",
+        "block_length": cfg.block_size,
+        "eos_token_id": EOS_ID,
+        "first_k_dense_replace": 1,
+        "head_dim": cfg.d_model // cfg.n_heads,
+        "hidden_act": "silu",
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.mlp_hidden_size,
+        "mask_token_id": MASK_ID,
+        "max_position_embeddings": MAX_SEQUENCE_LENGTH,
+        "moe_intermediate_size": cfg.expert_hidden_size,
+        "n_group": 4,
+        "norm_head": False,
+        "num_attention_heads": cfg.n_heads,
+        "num_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.experts_per_token,
+        "num_hidden_layers": cfg.n_layers,
+        "num_key_value_heads": cfg.n_heads // 2,
+        "num_shared_experts": 1,
+        "pad_token_id": PAD_ID,
+        "partial_rotary_factor": 0.5,
+        "rms_norm_eps": 1e-5,
+        "rope_scaling": None,
+        "rope_theta": 10000.0,
+        "routed_scaling_factor": 2.5,
+        "tie_word_embeddings": False,
+        "topk_group": 2,
+        "torch_dtype": "bfloat16",
+        "use_bias": False,
+        "use_qk_norm": True,
+        "use_qkv_bias": False,
+        "use_rmsnorm": True,
+        "vocab_size": VOCAB_SIZE,
+    }
+
+
 def build_model(cfg: TrainConfig, generator: torch.Generator) -> DiffusionLM:
     """A freshly initialised model: N(0, 0.02) weights, residual outputs scaled by
     1/sqrt(2 * layers) (GPT-2 style), unit norms."""
-    model = DiffusionLM(LLADA.parse(llada_config(cfg), Path("config.json")))
+    if cfg.family == "llada2_moe":
+        config = LLADA2.parse(llada2_config(cfg), Path("config.json"))
+    elif cfg.family == "llada":
+        config = LLADA.parse(llada_config(cfg), Path("config.json"))
+    else:
+        raise ValueError(f"unknown training family {cfg.family!r}: llada or llada2_moe")
+    model = DiffusionLM(config)
     residual_std = 0.02 / math.sqrt(2 * cfg.n_layers)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -109,7 +179,7 @@ def build_model(cfg: TrainConfig, generator: torch.Generator) -> DiffusionLM:
             elif param.dim() == 1:
                 param.zero_()
             else:
-                std = residual_std if name.endswith(("attn.o.weight", "mlp.down.weight")) else 0.02
+                std = residual_std if name.endswith(("attn.o.weight", "down.weight")) else 0.02
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
     return model
 
@@ -173,14 +243,26 @@ class BatchStream:
         self.pending = state["pending"]
 
 
+def one_noisy_block(example: Example, block: int, generator: torch.Generator) -> Example:
+    """For a block-causal model: the example cut at the end of one block drawn among those
+    holding answer positions, its loss positions that block's answer positions."""
+    first, last = example.answer_start // block, (len(example.ids) - 1) // block
+    chosen = first + int(torch.randint(last - first + 1, (1,), generator=generator))
+    end = min(len(example.ids), (chosen + 1) * block)
+    return Example(example.ids[:end], max(example.answer_start, chosen * block))
+
+
 def collate(
-    examples: list[Example], generator: torch.Generator
+    examples: list[Example], generator: torch.Generator, block: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Padded clean ids, noised ids, validity, loss mask and per-position loss weight.
+    """Padded clean ids, noised ids, validity, loss mask and per-position loss weight;
+    with `block`, one noisy block per example (`one_noisy_block`).
 
     An example whose draw masks nothing contributes no loss; forcing a mask there would
     give one token the weight 1/p of a tiny p and make the estimate biased and noisy.
     """
+    if block:
+        examples = [one_noisy_block(e, block, generator) for e in examples]
     b, n = len(examples), max(len(e.ids) for e in examples)
     clean = torch.full((b, n), PAD_ID, dtype=torch.long)
     answer = torch.zeros((b, n), dtype=torch.bool)
@@ -220,6 +302,30 @@ def loss_of(model: DiffusionLM, cfg: TrainConfig, batch: tuple[torch.Tensor, ...
     return (ce * weight[masked]).sum()
 
 
+class RouterBalancer:
+    """Auxiliary-loss-free load balancing of a MoE model's routers: counts the experts
+    each router chose during a step, then moves each expert's selection bias by `rate`
+    towards the mean load (up when under-used, down when over-used)."""
+
+    def __init__(self, model: torch.nn.Module, rate: float) -> None:
+        self.rate = rate
+        self.loads: dict[Router, torch.Tensor] = {}
+        for module in model.modules():
+            if isinstance(module, Router):
+                self.loads[module] = torch.zeros(module.moe.num_experts)
+                module.register_forward_hook(self._count)
+
+    def _count(self, router: Router, _inputs: Any, output: tuple[torch.Tensor, ...]) -> None:
+        chosen = output[0].flatten()
+        self.loads[router] += torch.bincount(chosen, minlength=len(self.loads[router]))
+
+    @torch.no_grad()
+    def update(self) -> None:
+        for router, load in self.loads.items():
+            router.expert_bias += self.rate * torch.sign(load.mean() - load)
+            load.zero_()
+
+
 class Trainer:
     """Owns the model, optimizer and data stream of one run; resumable from `out_dir`."""
 
@@ -248,6 +354,8 @@ class Trainer:
         self.step = 0
         self.elapsed = 0.0
         self.data = BatchStream(cfg, random.Random(cfg.seed))
+        self.block = self.model.config.block_size
+        self.balancer = RouterBalancer(self.model, cfg.router_bias_rate)
 
     def resume(self) -> bool:
         """Continues from the saved state in `out_dir`, if there is one."""
@@ -289,12 +397,13 @@ class Trainer:
             lr = learning_rate(self.cfg, self.step)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-            batch = collate(self.data.next_batch(self.step), self.generator)
+            batch = collate(self.data.next_batch(self.step), self.generator, self.block)
             loss = loss_of(self.model, self.cfg, batch)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            self.balancer.update()
             self.step += 1
             self.elapsed += time.perf_counter() - started
             window.append(loss.item())
