@@ -255,13 +255,15 @@ impl Scheduler {
         );
         scratch.assigned.clear();
         scratch.free.clear();
-        let migration = config.policy.migration;
+        // Under the exact cache a block's first step may move, paying a prefill of its
+        // prefix there: only where that price is weighed (earliest completion's
+        // `move_pays`); a least-loaded choice would give up the cache at every block.
+        let costed_moves = config.policy.migration && choice == InstanceChoice::EarliestCompletion;
         let placing = |r: &Request, instances: &[Instance]| match r.home {
-            // Under the exact cache a block's first step may move, paying a prefill there.
             Some(h)
                 if caching
                     && r.next_kind == StepKind::Cache
-                    && !(migration && r.opens_exact_block()) =>
+                    && !(costed_moves && r.opens_exact_block()) =>
             {
                 Placing::Stay(h)
             }

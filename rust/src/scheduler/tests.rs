@@ -515,13 +515,13 @@ fn same_inputs_give_same_decisions() {
     }
 }
 
-/// Under the exact cache: `count` requests of `prompt` tokens (four 32-token blocks out)
-/// on instance 1 finish their first block; then instance 2 joins. Returns the decisions
-/// of the round where each opens its second block.
-fn exact_block_opening_round(prompt: u32, count: u64) -> Decisions {
+/// Under the exact cache and `policy`: `count` requests of `prompt` tokens (four 32-token
+/// blocks out) on instance 1 finish their first block; then instance 2 joins. Returns the
+/// decisions of the round where each opens its second block.
+fn exact_block_opening_round(policy: Policy, prompt: u32, count: u64) -> Decisions {
     let config = SchedulerConfig {
         exact_cache: true,
-        policy: Policy::dilaserve(),
+        policy,
         ..Default::default()
     };
     let mut s = Scheduler::new(profile(), config).unwrap();
@@ -541,18 +541,27 @@ fn exact_block_opening_round(prompt: u32, count: u64) -> Decisions {
 fn under_the_exact_cache_a_block_moves_only_where_its_prefill_pays() {
     // Short prompts: the prefix prefill on the idle instance (96 tokens) beats waiting in
     // a home batch of 16 two-block cache steps (1024 tokens).
-    let d = exact_block_opening_round(32, 16);
-    assert!(!d.migrations.is_empty(), "no request took the idle instance");
+    let d = exact_block_opening_round(Policy::dilaserve(), 32, 16);
+    assert!(
+        !d.migrations.is_empty(),
+        "no request took the idle instance"
+    );
     let moved = batch_of(&d, 2);
-    assert!(moved.iter().all(|e| e.kind == StepKind::Recompute && e.new_here));
+    assert!(moved
+        .iter()
+        .all(|e| e.kind == StepKind::Recompute && e.new_here));
     assert!(moved.iter().all(|e| e.tokens == 32 + 64), "{moved:?}");
     let home = batch_of(&d, 1);
     assert!(
-        home.iter().all(|e| e.kind == StepKind::Cache && e.tokens == 64),
+        home.iter()
+            .all(|e| e.kind == StepKind::Cache && e.tokens == 64),
         "{home:?}"
     );
     // Long prompts: a 2,000-token prefill costs more than the two-block step at home.
-    let d = exact_block_opening_round(2000, 4);
+    let d = exact_block_opening_round(Policy::dilaserve(), 2000, 4);
     assert!(d.migrations.is_empty(), "{:?}", d.migrations);
     assert!(batch_of(&d, 2).is_empty());
+    // A least-loaded choice does not price the prefill: it keeps its requests' caches.
+    let d = exact_block_opening_round(Policy::llumnix_like(0.9), 32, 16);
+    assert!(d.migrations.is_empty(), "{:?}", d.migrations);
 }
