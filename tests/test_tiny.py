@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dilaserve.models import load_model, load_tokenizer
-from dilaserve.tiny import default_model_dir, tasks
+from dilaserve.tiny import MOE_MODEL_NAME, default_model_dir, model_path, tasks
 from dilaserve.tiny.evaluate import EVAL_SEED, decode_problems
 from dilaserve.tiny.tokenizer import (
     EOS_ID,
@@ -321,6 +321,19 @@ def test_eval_command_writes_no_plot_unless_asked(capsys, tmp_path, untrained_di
 
 
 # -- the shipped model --------------------------------------------------------------------
+
+
+def test_model_names_resolve_to_the_embedded_checkpoints_unless_a_directory_exists(
+    tmp_path, monkeypatch
+):
+    assert model_path(None) == str(default_model_dir())
+    assert model_path(MOE_MODEL_NAME) == str(default_model_dir(MOE_MODEL_NAME))
+    assert model_path("some/dir") == "some/dir"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / MOE_MODEL_NAME).mkdir()
+    assert model_path(MOE_MODEL_NAME) == MOE_MODEL_NAME
+    with pytest.raises(ValueError, match="no embedded model"):
+        default_model_dir("dilaserve-huge")
 
 
 def test_shipped_model_is_a_small_llada_checkpoint():

@@ -159,3 +159,23 @@ def test_a_block_diffusion_model_is_collected_with_its_exact_cache_and_blocks(tm
     assert cli(["predictor", "train", "--data", str(data), "--out", str(out), "--json"]) == 0
     header = (out / "predictor.txt").read_text().split("feature_names=")[1].splitlines()[0]
     assert header.split() == [*FEATURE_NAMES, *BLOCK_FEATURES]
+
+
+def test_cli_progress_takes_the_accuracy_of_the_traces_cache_mode(capsys, tmp_path):
+    taus = sorted(set(load(DATA).column("step_tau").to_pylist()))
+    rows = [
+        {"threshold": t, "cache": cache, "accuracy": accuracy - t / 10}
+        for t in taus
+        for cache, accuracy in (("none", 0.5), ("dual", 1.0))
+    ]
+    evals = tmp_path / "eval.jsonl"
+    evals.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "progress.json"
+    args = ["predictor", "progress", "--data", str(DATA), "--eval", str(evals)]
+    assert cli([*args, "--out", str(out)]) == 0
+    model = json.loads(out.read_text())
+    assert model["thresholds"] == taus
+    assert model["accuracy"] == [1.0 - t / 10 for t in taus]  # the traces were dual's
+    evals.write_text(json.dumps(rows[0]) + "\n")
+    assert cli([*args, "--out", str(out)]) == 2
+    assert "no rows of the traces' cache mode 'dual'" in capsys.readouterr().err

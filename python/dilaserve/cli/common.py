@@ -7,13 +7,15 @@ import argparse
 import torch
 
 from dilaserve.models import load_model
-from dilaserve.tiny import MODEL_NAME, default_model_dir
+from dilaserve.tiny import MODEL_NAME, MOE_MODEL_NAME, model_path
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """--model (default: the embedded dilaserve-tiny), --dtype and --device."""
     p.add_argument(
-        "--model", default=None, help=f"HF-format checkpoint directory (default: {MODEL_NAME})"
+        "--model",
+        default=None,
+        help=f"HF-format checkpoint directory, or {MOE_MODEL_NAME} (default: {MODEL_NAME})",
     )
     p.add_argument(
         "--dtype",
@@ -28,7 +30,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 def model_dir(args: argparse.Namespace) -> str:
     """The checkpoint directory the arguments name: --model, else the embedded model."""
-    return args.model or str(default_model_dir())
+    return model_path(args.model)
 
 
 def default_dtype(device: str) -> str:

@@ -70,6 +70,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     _add_decode_arguments(k)
     k.set_defaults(run=run_calibrate)
 
+    g = actions.add_parser(
+        "progress", help="the simulator's progress model from traces and measured accuracy"
+    )
+    g.add_argument("--data", required=True, help="Parquet file written by `collect`")
+    g.add_argument("--eval", required=True, help="`dilaserve eval --json` output (accuracy per τ)")
+    g.add_argument(
+        "--out", default=None, help="JSON file to write (default: progress.json in --model)"
+    )
+    g.add_argument("--model", default=None, help="checkpoint directory (default: dilaserve-tiny)")
+    g.set_defaults(run=run_progress)
+
 
 def _add_decode_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
@@ -204,5 +215,23 @@ def run_calibrate(args: argparse.Namespace) -> int:
     path = rates.save(args.out or Path(model_dir(args)) / RATES_FILE)
     for tau, rate in rates.points:
         print(f"τ = {tau:.2f}: {rate:.2f} tokens per step")
+    print(f"saved {path}")
+    return 0
+
+
+def run_progress(args: argparse.Namespace) -> int:
+    from dilaserve.predictor import progress
+    from dilaserve.predictor.collect import load, recorded_config
+
+    table = load(args.data)
+    cache = recorded_config(table).get("cache")
+    rows = [json.loads(line) for line in Path(args.eval).read_text().splitlines() if line]
+    # The accuracy of the cache mode the traces were decoded with.
+    accuracy = {r["threshold"]: r["accuracy"] for r in rows if r["cache"] == cache}
+    if not accuracy:
+        raise ValueError(f"{args.eval} has no rows of the traces' cache mode {cache!r}")
+    directory = Path(model_dir(args))
+    model = progress.progress_model(table, accuracy, model=directory.name)
+    path = progress.save(model, args.out or directory / "progress.json")
     print(f"saved {path}")
     return 0

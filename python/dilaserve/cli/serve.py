@@ -34,7 +34,7 @@ from dilaserve.protocol import CacheMode
 from dilaserve.scheduler import POLICY_SETTINGS, PRESETS, Policy
 from dilaserve.server import ServerSettings, bind, serve
 from dilaserve.settings import add_settings_flags, flatten, parse_setting
-from dilaserve.tiny import MODEL_NAME
+from dilaserve.tiny import MODEL_NAME, MOE_MODEL_NAME, model_path
 from dilaserve.worker.kv_cache import parse_kv_memory
 
 #: The scheduler's settings a flag or key may give (nested policy fields flattened).
@@ -86,7 +86,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         argument_default=argparse.SUPPRESS,
     )
     p.add_argument("--config", help="TOML file with any of the keys below (dashes as _)")
-    p.add_argument("--model", help=f"checkpoint directory (default: {MODEL_NAME})")
+    p.add_argument(
+        "--model", help=f"checkpoint directory, or {MOE_MODEL_NAME} (default: {MODEL_NAME})"
+    )
     p.add_argument("--served-model-name", help="name clients use (default: directory name)")
     p.add_argument(
         "--instances",
@@ -257,7 +259,7 @@ def engine_config(values: dict) -> EngineConfig:
         instances = (1,) * torch.cuda.device_count()
     else:
         instances = (1,) * min(2, os.cpu_count() or 1)
-    block = read_config(values["model"])[1].block_size if values["model"] else 0
+    block = read_config(model_path(values["model"]))[1].block_size
     cache = CacheMode(values["cache"]) if values["cache"] else CacheMode.default_for(block)
     cache.check_model(block)
     if block and values.get("block_length") is None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from dilaserve.models import text_decoder
-from dilaserve.tiny import default_model_dir
+from dilaserve.tiny import model_path
 
 from . import errors
 from .admission import PromptEncoder
@@ -103,7 +103,7 @@ class EngineClient:
     ) -> None:
         self.config = config or EngineConfig()
         self._launcher = launcher
-        self.model_dir = str(self.config.model or default_model_dir())
+        self.model_dir = model_path(self.config.model)
         self._requests: dict[int, ClientRequest] = {}
         self._replies: dict[int, asyncio.Future] = {}
         self._tokens = itertools.count(1)

@@ -45,7 +45,7 @@ from dilaserve.scheduler import (
     SchedulerError,
     StepReportError,
 )
-from dilaserve.tiny import default_model_dir
+from dilaserve.tiny import model_path
 
 from .admission import RequestBuilder, threshold_options
 from .config import EngineConfig, GenerationParams
@@ -99,7 +99,7 @@ class Engine:
         if launcher is None and self.config.emulate:
             launcher = EmulatedLauncher(self.config.profile, self.config.progress)
         self.launcher = launcher or LocalLauncher()
-        self.model_dir = str(self.config.model or default_model_dir())
+        self.model_dir = model_path(self.config.model)
         self.instances: dict[int, InstanceRecord] = {}
         self._requests: dict[int, TrackedRequest] = {}
         self._workers: dict[int, InstanceRecord] = {}

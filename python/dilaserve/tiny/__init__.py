@@ -15,6 +15,19 @@ MODEL_NAME = "dilaserve-tiny"
 MOE_MODEL_NAME = "dilaserve-tiny-moe"
 
 
-def default_model_dir() -> Path:
-    """Directory of the shipped checkpoint (config.json, model.safetensors, tokenizer)."""
-    return Path(str(files("dilaserve") / "assets" / MODEL_NAME))
+EMBEDDED_MODELS = (MODEL_NAME, MOE_MODEL_NAME)
+
+
+def default_model_dir(name: str = MODEL_NAME) -> Path:
+    """Directory of a shipped checkpoint (config.json, model.safetensors, tokenizer)."""
+    if name not in EMBEDDED_MODELS:
+        raise ValueError(f"no embedded model {name!r}; the package ships {EMBEDDED_MODELS}")
+    return Path(str(files("dilaserve") / "assets" / name))
+
+
+def model_path(model: str | None) -> str:
+    """The checkpoint directory `--model` names: an existing directory, else an embedded
+    model's name (dilaserve-tiny when none is given)."""
+    if model is None or (model in EMBEDDED_MODELS and not Path(model).exists()):
+        return str(default_model_dir(model or MODEL_NAME))
+    return model
