@@ -49,27 +49,29 @@ def test_a_hit_copies_the_longest_run_of_stored_leading_blocks():
     assert store.stats.hit_tokens == 6 and store.stats.looked_up_tokens == 6 + 4 + 6
 
 
-def test_stored_blocks_give_way_to_requests_least_recently_used_first():
+def test_stored_blocks_give_way_to_a_request_without_compacting_the_pool():
     pool = _pool(12)
     store = PrefixCache(pool, BLOCK)
     pool.allocate(1, 4)
     _write_positions(pool, 1, [1.0, 2.0, 3.0, 4.0])
-    store.store(1, [1, 1, 2, 2])
+    store.store(1, [1, 1, 2, 2])  # rows 4-7
     pool.free(1)
     pool.allocate(2, 4)
     _write_positions(pool, 2, [5.0, 6.0, 7.0, 8.0])
-    store.store(2, [3, 3, 4, 4])
-    assert len(store) == 4 and pool.free_tokens == 0
+    store.store(2, [3, 3, 4, 4])  # rows 8-11
+    assert len(store) == 4 and pool.free_tokens == 0 and pool.evictable_tokens == 8
     pool.free(2)
     pool.allocate(3, 4)
     assert store.load(3, [1, 1, 2, 2]) == 4 and _read(pool, 3, 4) == [1.0, 2.0, 3.0, 4.0]
-    # No row is free: three stored blocks make room, the least recently used first, and
-    # the first chain, used last, loses its end but keeps its root.
-    pool.allocate(4, 6)
+    # No row is free: the request takes the first run of stored blocks long enough, in
+    # place; the blocks it evicts are forgotten, the one left is no hit without its parent.
+    assert pool.allocate(4, 6) == 4 and pool.compactions == 0
     assert len(store) == 1
-    assert store.load(4, [3, 3, 4, 4]) == 0 and store.load(4, [1, 1, 2, 2]) == 2
-    pool.allocate(5, 2)  # the last stored block makes way too
-    assert len(store) == 0 and pool.free_tokens == 0
+    assert store.load(4, [3, 3, 4, 4]) == 0 and store.load(4, [1, 1, 2, 2]) == 0
+    # Free rows and a stored block that a held extent separates: only compaction fits 6.
+    pool.free(3)
+    pool.allocate(5, 6)
+    assert pool.compactions == 1 and len(store) == 0 and pool.free_tokens == 0
 
 
 def test_storing_never_evicts_the_prompt_being_stored_nor_takes_a_requests_room():

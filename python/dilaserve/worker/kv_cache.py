@@ -94,9 +94,10 @@ class KVCachePool:
     says where it starts, `free` returns it. An unknown or doubly freed id is a
     `CacheSlotError`, a request that cannot fit a `CacheFullError`. `on_move` (optional) is
     told of every compaction move before it is applied (tensor-parallel rank 0 forwards them
-    to the other ranks' pools). `reclaim` (optional) is asked to free at least the given
-    number of rows held by no request (stored prefix blocks) before an allocation would
-    fail."""
+    to the other ranks' pools). Extents allocated `evictable` (stored prefix blocks) hold
+    rows no request needs: a request that finds no free run of its length takes the run of
+    free and evictable rows that evicts the fewest, and only if there is none are they all
+    evicted and the pool compacted; `on_evict` (optional) is told which were."""
 
     def __init__(
         self,
@@ -117,7 +118,8 @@ class KVCachePool:
         self.capacity = capacity
         self.bytes_per_token = bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
         self.on_move = on_move
-        self.reclaim: Callable[[int], None] | None = None
+        self.on_evict: Callable[[list[int]], None] | None = None
+        self._evictable: set[int] = set()
         self._extents: dict[int, tuple[int, int]] = {}  # request id -> (start, length)
         self._free: list[tuple[int, int]] = [(0, capacity)]  # sorted (start, length) holes
         self.compactions = 0
@@ -128,21 +130,30 @@ class KVCachePool:
     def free_tokens(self) -> int:
         return sum(length for _, length in self._free)
 
-    def allocate(self, request_id: int, tokens: int) -> int:
-        """Reserves `tokens` contiguous rows for `request_id`; returns the first row."""
+    @property
+    def evictable_tokens(self) -> int:
+        return sum(self._extents[rid][1] for rid in self._evictable)
+
+    def allocate(self, request_id: int, tokens: int, *, evictable: bool = False) -> int:
+        """Reserves `tokens` contiguous rows for `request_id`; returns the first row. An
+        `evictable` extent only ever takes a free run (`CacheFullError` if none fits)."""
         if request_id in self._extents:
             raise CacheSlotError(f"request {request_id} already holds a KV extent")
         if tokens <= 0:
             raise ValueError(f"a KV extent needs a positive length, got {tokens}")
-        if tokens > self.free_tokens and self.reclaim is not None:
-            self.reclaim(tokens - self.free_tokens)
-        if tokens > self.free_tokens:
+        hole = self._best_fit(tokens)
+        if hole is None and evictable:
+            raise CacheFullError(f"no free run of {tokens} rows to store a block in")
+        available = self.free_tokens + self.evictable_tokens
+        if tokens > available:
             raise CacheFullError(
-                f"request {request_id} needs {tokens} KV tokens, {self.free_tokens} of "
+                f"request {request_id} needs {tokens} KV tokens, {available} of "
                 f"{self.capacity} are free; raise --kv-cache-memory or admit fewer requests"
             )
-        hole = self._best_fit(tokens)
         if hole is None:
+            hole = self._evict_run(tokens)
+        if hole is None:
+            self._evict(sorted(self._evictable))
             self._compact()
             hole = len(self._free) - 1  # compaction leaves one hole, at the end
         start, length = self._free[hole]
@@ -151,6 +162,8 @@ class KVCachePool:
         else:
             self._free[hole] = (start + tokens, length - tokens)
         self._extents[request_id] = (start, tokens)
+        if evictable:
+            self._evictable.add(request_id)
         return start
 
     def free(self, request_id: int) -> None:
@@ -159,6 +172,7 @@ class KVCachePool:
             start, length = self._extents.pop(request_id)
         except KeyError:
             raise CacheSlotError(f"request {request_id} holds no KV extent") from None
+        self._evictable.discard(request_id)
         at = bisect.bisect(self._free, (start, length))
         self._free.insert(at, (start, length))
         self._merge(at)
@@ -174,6 +188,38 @@ class KVCachePool:
         """(first row, length) of `request_id`'s extent."""
         self.base(request_id)
         return self._extents[request_id]
+
+    def _evict(self, ids: list[int]) -> None:
+        for rid in ids:
+            self.free(rid)
+        if ids and self.on_evict is not None:
+            self.on_evict(ids)
+
+    def _evict_run(self, tokens: int) -> int | None:
+        """Evicts the evictable extents of the run of adjacent free and evictable rows, at
+        least `tokens` long, that evicts the fewest rows; the hole it leaves, if any run
+        fits."""
+        # (start, length, evictable extent's id or None for a hole), in pool order.
+        parts = sorted(
+            [(s, n, None) for s, n in self._free]
+            + [(*self._extents[rid], rid) for rid in self._evictable]
+        )
+        best: tuple[int, int, int] | None = None  # (rows evicted, first part, last part)
+        lo, length, evicted = 0, 0, 0
+        for hi, (start, n, rid) in enumerate(parts):
+            if hi > lo and parts[hi - 1][0] + parts[hi - 1][1] != start:  # a held extent
+                lo, length, evicted = hi, 0, 0
+            length, evicted = length + n, evicted + (n if rid is not None else 0)
+            while length - parts[lo][1] >= tokens:  # the shortest run ending at hi
+                length -= parts[lo][1]
+                evicted -= parts[lo][1] if parts[lo][2] is not None else 0
+                lo += 1
+            if length >= tokens and (best is None or evicted < best[0]):
+                best = (evicted, lo, hi)
+        if best is None:
+            return None
+        self._evict([rid for _, _, rid in parts[best[1] : best[2] + 1] if rid is not None])
+        return self._best_fit(tokens)
 
     def _best_fit(self, tokens: int) -> int | None:
         fits = [(length, i) for i, (_, length) in enumerate(self._free) if length >= tokens]
@@ -218,7 +264,7 @@ class KVCachePool:
             dst = slice(move.dst, move.dst + move.length)
             for tensor in (*self.keys, *self.values):
                 tensor[dst] = (
-                    tensor[src].clone() if move.src - move.dst < move.length else tensor[src]
+                    tensor[src].clone() if abs(move.src - move.dst) < move.length else tensor[src]
                 )
 
     # -- the interface the layers use ----------------------------------------------------

@@ -5,9 +5,10 @@ with blocks another request already computed takes their K/V instead of recomput
 Blocks are keyed by their content and everything before them (a chain: the previous
 block's key and this block's tokens — content and position, as vLLM's prefix caching and
 SGLang's block radix cache key them), compared exactly, never by a hash alone. Each stored
-block is one extent of the KV pool in space no request holds: the store never takes room a
-request needs, since the pool evicts stored blocks, least recently used first, before it
-refuses an allocation. A hit is copied into the request's own extent (a device copy of
+block is an evictable extent of the KV pool, placed only in free rows: the store never takes
+room a request needs, since the pool evicts the stored blocks in a request's way (those of
+the free run that evicts fewest) before it refuses or compacts; to store a block where no
+run is free, the store evicts its own least recently used blocks. A hit is copied into the request's own extent (a device copy of
 `block` rows per layer, far cheaper than the forward it replaces): a request's K/V stays
 one contiguous extent, which attention reads with no gather.
 """
@@ -18,7 +19,7 @@ import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from dilaserve.worker.kv_cache import KVCachePool, Move
+from dilaserve.worker.kv_cache import CacheFullError, KVCachePool, Move
 
 #: A stored block's key: the key id of the block before it (0 for the first) and its tokens.
 BlockKey = tuple[int, tuple[int, ...]]
@@ -49,9 +50,10 @@ class PrefixCache:
         self.pool = pool
         self.block = block
         self._entries: OrderedDict[BlockKey, _Entry] = OrderedDict()  # oldest use first
+        self._keys: dict[int, BlockKey] = {}  # pool id -> key
         self._ids = itertools.count(1)
         self.stats = PrefixStats()
-        pool.reclaim = self._evict
+        pool.on_evict = self._forget
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -94,15 +96,14 @@ class PrefixCache:
             key = (parent, tuple(prompt[start : start + self.block]))
             entry = self._entries.get(key)
             if entry is None:
-                if not self._make_room(set(chain)):
-                    break
                 key_id = next(self._ids)
+                if not self._place(-key_id, set(chain)):
+                    break
                 entry = self._entries[key] = _Entry(key_id, pool_id=-key_id)
-                self.pool.allocate(entry.pool_id, self.block)
+                self._keys[entry.pool_id] = key
                 added.append((key, start))
             chain.append(key)
             parent = entry.key_id
-        # Allocation may compact the pool: read the bases once every block is placed.
         base = self.pool.base(request_id)
         self.pool.copy(
             [
@@ -113,25 +114,27 @@ class PrefixCache:
         self._touch(chain)
 
     def _touch(self, chain: list[BlockKey]) -> None:
-        """Marks `chain` used, its root last: a chain is evicted from its end, so a stored
-        block's parent is always stored too."""
+        """Marks `chain` used, its root last, so the store's own evictions take a chain
+        from its end."""
         for key in reversed(chain):
             self._entries.move_to_end(key)
 
-    def _make_room(self, keep: set[BlockKey]) -> bool:
-        """Frees room for one more block, evicting stored blocks outside `keep`."""
-        while self.pool.free_tokens < self.block:
-            oldest = next((k for k in self._entries if k not in keep), None)
-            if oldest is None:
-                return False
-            self.pool.free(self._entries.pop(oldest).pool_id)
-        return True
+    def _place(self, pool_id: int, keep: set[BlockKey]) -> bool:
+        """Allocates a block's extent in free rows, evicting stored blocks outside `keep`
+        least recently used first until a run is free; False if none can be."""
+        while True:
+            try:
+                self.pool.allocate(pool_id, self.block, evictable=True)
+                return True
+            except CacheFullError:
+                oldest = next((k for k in self._entries if k not in keep), None)
+                if oldest is None:
+                    return False
+                self.pool.free(self._entries[oldest].pool_id)
+                self._forget([self._entries[oldest].pool_id])
 
-    def _evict(self, tokens: int) -> None:
-        """The pool's reclaim hook: frees at least `tokens` rows of stored blocks (all, if
-        they hold fewer)."""
-        freed = 0
-        while self._entries and freed < tokens:
-            _, entry = self._entries.popitem(last=False)
-            self.pool.free(entry.pool_id)
-            freed += self.block
+    def _forget(self, pool_ids: list[int]) -> None:
+        """Drops the entries of evicted extents (the pool's `on_evict`). A block whose
+        parent is gone is never found again and ages out."""
+        for pool_id in pool_ids:
+            del self._entries[self._keys.pop(pool_id)]
