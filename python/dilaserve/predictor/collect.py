@@ -207,8 +207,10 @@ def decode_runs(
 def _label(trace: _Trace) -> list[dict]:
     """Rows of one finished run with their labels."""
     n = len(trace.rows)
+    # A block's full step: its recompute, or the step opening it (no cache; the exact
+    # cache's two-block step, which the scheduler prices as a block's full step).
     full = [
-        k is StepKind.RECOMPUTE or (k is StepKind.NO_CACHE and opened)
+        k is StepKind.RECOMPUTE or opened
         for k, opened in zip(trace.kinds, trace.opened, strict=True)
     ]
     after = [0] * (n + 1)

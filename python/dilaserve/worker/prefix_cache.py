@@ -8,9 +8,10 @@ SGLang's block radix cache key them), compared exactly, never by a hash alone. E
 block is an evictable extent of the KV pool, placed only in free rows: the store never takes
 room a request needs, since the pool evicts the stored blocks in a request's way (those of
 the free run that evicts fewest) before it refuses or compacts; to store a block where no
-run is free, the store evicts its own least recently used blocks. A hit is copied into the request's own extent (a device copy of
-`block` rows per layer, far cheaper than the forward it replaces): a request's K/V stays
-one contiguous extent, which attention reads with no gather.
+run is free, the store evicts its own least recently used blocks. A hit is copied into
+the request's own extent (a device copy of `block` rows per layer, far cheaper than the
+forward it replaces): a request's K/V stays one contiguous extent, which attention reads
+with no gather.
 """
 
 from __future__ import annotations

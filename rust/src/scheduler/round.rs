@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use super::config::{InstanceChoice, LoadModel, ThresholdPolicy};
+use super::config::{InstanceChoice, LoadModel, Prediction, ThresholdPolicy};
 use super::cost::{DegreeCosts, Limits};
 use super::decisions::{
     Batch, BatchEntry, Decisions, Migration, MigrationReason, ThresholdReason, ThresholdWhy,
@@ -286,14 +286,20 @@ impl Scheduler {
                 // a recompute step, where the request may migrate) to the report, unless
                 // the request stays home anyway: then it goes ahead, priced as recompute.
                 let ends_block = r.likely_ends_block();
-                if let Some(home) = home.filter(|_| !ends_block || !config.policy.migration) {
+                let may_move = if r.exact {
+                    costed_moves
+                } else {
+                    config.policy.migration
+                };
+                if let Some(home) = home.filter(|_| !ends_block || !may_move) {
                     let n = if ends_block {
-                        r.seq_tokens()
+                        r.full_step_tokens()
                     } else {
                         r.next_step_estimate(caching)
                     };
                     if placement.fits(home, &instances.slots[home as usize], n) {
-                        placement.add_fixed(home, n, !caching || ends_block);
+                        // Under the exact cache the next block opens with a cache step.
+                        placement.add_fixed(home, n, !caching || ends_block && !r.exact);
                         let a = Assignment::ahead(home, pos, r, now, caching, n);
                         scratch.assigned.push(a);
                     }
@@ -335,7 +341,7 @@ impl Scheduler {
         for &pos in &scratch.free {
             let r = *requests.req(pos);
             // Elsewhere a step may feed more than at home: a prefill under the exact cache.
-            let (n_home, n) = (r.step_tokens(), r.move_tokens().max(r.step_tokens()));
+            let (n_home, n) = (r.step_tokens(), r.move_tokens());
             let seq = r.seq_tokens();
             let reserved_slot = reservation.filter(|v| v.handle == r.handle).map(|v| v.slot);
             let mut best = placement.best(n, seq, groups);
@@ -464,6 +470,9 @@ impl Scheduler {
             if new_resident && r.opens_exact_block() {
                 // Its cache stays behind: the new instance prefills the prefix first.
                 r.next_kind = StepKind::Recompute;
+                if config.policy.prediction == Prediction::Online {
+                    scratch.pending.push(pos);
+                }
             }
             r.home = Some(target);
             r.displaced_from = None;
