@@ -168,6 +168,8 @@ def test_the_engine_serves_a_block_diffusion_model_with_the_tokens_of_offline_de
         threads_per_worker=1,
     )
     with LLM(config) as llm:
+        # The engine resolves the block length once, from the model, for every part.
+        assert llm.engine.config.block_length == BLOCK != config.block_length
         params = GenerationParams(max_tokens=GEN, threshold=TAU)
         outputs = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in outputs] == [g.output_ids for g in want]

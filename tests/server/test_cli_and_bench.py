@@ -20,6 +20,8 @@ from dilaserve.cli.serve import (
     scheduler_settings,
     settings_from,
 )
+from dilaserve.models.testing import write_tiny_checkpoint
+from dilaserve.protocol import CacheMode
 from dilaserve.scheduler import PRESETS, SCHEDULER_SETTINGS, Policy, SchedulerConfigError
 from dilaserve.settings import flatten
 from dilaserve.traces import AZURE_CONV, read_trace
@@ -48,6 +50,14 @@ def test_thresholds_and_quality_floor_flags():
         engine_config({**DEFAULTS, "thresholds": "a,b"})
     with pytest.raises(ValueError, match="negative"):
         accuracy_drop("-1")
+
+
+def test_a_block_diffusion_model_gets_its_cache_and_refuses_another_block_length(tmp_path):
+    directory = str(write_tiny_checkpoint(tmp_path, "llada2", block_length=4))
+    engine = engine_config({**DEFAULTS, "model": directory})
+    assert engine.cache is CacheMode.BLOCK
+    with pytest.raises(ValueError, match="decodes blocks of 4 positions"):
+        engine_config({**DEFAULTS, "model": directory, "block_length": 8})
 
 
 def test_toml_config_then_flags(tmp_path):

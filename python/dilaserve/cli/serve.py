@@ -262,8 +262,11 @@ def engine_config(values: dict) -> EngineConfig:
     block = read_config(model_path(values["model"]))[1].block_size
     cache = CacheMode(values["cache"]) if values["cache"] else CacheMode.default_for(block)
     cache.check_model(block)
-    if block and values.get("block_length") is None:
-        values = {**values, "block_length": block}  # a block diffusion model's blocks
+    if block and values.get("block_length") not in (None, block):
+        raise ValueError(
+            f"--block-length {values['block_length']}: this block diffusion model decodes "
+            f"blocks of {block} positions"
+        )
     return EngineConfig(
         model=values["model"],
         instances=instances,

@@ -83,7 +83,7 @@ class RequestBuilder:
         params.validate()
         ids = self.prompts.prompt_ids(prompt)
         c, mc = self.config, self.model_config
-        block_length = params.block_length or mc.block_size or c.block_length
+        block_length = params.block_length or c.block_length
         if mc.block_size and block_length != mc.block_size:
             raise BadRequestError(
                 f"block_length {block_length}: this block diffusion model decodes blocks of "
@@ -143,7 +143,7 @@ class RequestBuilder:
             [Arrival(0.0, prompt_len, output_len)],
             self._top_rate,
             c.cache is not CacheMode.NONE,
-            self.model_config.block_size or c.block_length,
+            c.block_length,
             exact_cache=c.cache is CacheMode.BLOCK,
         )
 

@@ -142,6 +142,8 @@ class Engine:
         )
         self.degrees = ModelDegrees.of(self.model_dir)
         self.degrees.check(c.instances)
+        if self.degrees.config.block_size:  # the blocks a block diffusion model decodes
+            c = self.config = dataclasses.replace(c, block_length=self.degrees.config.block_size)
         self.profile = await load_or_measure_profile(c, self.model_dir)
         self.planner_degrees = self.degrees.for_planner(c, self.profile)
         self.builder = RequestBuilder(c, self.model_dir, self.profile)
