@@ -90,7 +90,7 @@ impl Scheduler {
             scratch
                 .predicted
                 .iter()
-                .map(|s| request_load(*s, full, block, caching) + request.prefill_surplus()),
+                .map(|s| request_load(*s, full, block, caching)),
         );
         let lowest = allowed.trailing_zeros() as usize;
         self.shedder

@@ -145,16 +145,6 @@ impl Request {
         }
     }
 
-    /// *(ours)* Load tokens a pending recompute step adds beyond a full step: under the
-    /// exact cache a prefill of the prefix, where later blocks' full steps feed two blocks.
-    pub fn prefill_surplus(&self) -> f64 {
-        if self.exact && self.next_kind == StepKind::Recompute {
-            self.prefix_tokens().saturating_sub(self.full_step_tokens()) as f64
-        } else {
-            0.0
-        }
-    }
-
     /// Positions up to the end of the current block: what a step of block diffusion's
     /// exact cache attends to (later blocks are invisible to it).
     pub fn prefix_tokens(&self) -> u64 {
@@ -386,22 +376,19 @@ mod tests {
     }
 
     #[test]
-    fn under_the_exact_cache_a_prefill_loads_its_prefix_and_a_block_opening_is_full() {
+    fn under_the_exact_cache_a_prefill_feeds_its_prefix_and_a_block_opening_is_full() {
         let exact = SchedulerConfig {
             exact_cache: true,
             ..config()
         };
         let spec = RequestSpec::new(1, 0.0, 10.0, 1000, 64);
         let (mut r, _) = Request::from_spec(&spec, &exact, 0).unwrap();
-        // The first step feeds the prompt and the first block: 968 more than a full step.
-        assert_eq!((r.step_tokens(), r.prefill_surplus()), (1032, 968.0));
+        // The first step feeds the prompt and the first block.
+        assert_eq!(r.step_tokens(), 1032);
         r.next_kind = StepKind::Cache;
         r.current_block = 1;
         assert!(r.opens_exact_block() && r.needs_recompute());
-        assert_eq!(
-            (r.step_tokens(), r.move_tokens(), r.prefill_surplus()),
-            (64, 1064, 0.0)
-        );
+        assert_eq!((r.step_tokens(), r.move_tokens()), (64, 1064));
         r.block_steps = 1;
         assert!(!r.needs_recompute() && r.step_tokens() == 32);
     }

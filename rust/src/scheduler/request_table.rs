@@ -214,12 +214,11 @@ impl RequestTable {
     fn refresh_loads(&mut self, pos: u32, range: std::ops::Range<usize>) {
         let r = &self.cols.reqs[pos as usize];
         let (full, block) = (r.full_step_tokens() as f64, f64::from(r.block_length));
-        let surplus = r.prefill_surplus();
         for (load, s) in self.cols.loads[range.clone()]
             .iter_mut()
             .zip(&self.cols.steps[range])
         {
-            *load = request_load(*s, full, block, self.caching) + surplus;
+            *load = request_load(*s, full, block, self.caching);
         }
     }
 
