@@ -1,8 +1,7 @@
 """Block diffusion decoding with the exact block KV cache against the reference loop.
 
-On a MoE model in LLaDA2.x format (random weights until an embedded block diffusion model
-ships: the work per step does not depend on the weights, only the number of steps does,
-and both sides run the same steps): tokens per second of the step runner's `block` cache —
+On the embedded MoE model in LLaDA2.x format (`dilaserve-tiny-moe`, block 8), with prompts
+of random characters: tokens per second of the step runner's `block` cache —
 each step feeds only the current block, plus once the block just finished, and attends to
 the cached prefix — against the release's loop, which re-runs the whole prefix every step
 for one request at a time. Batch 1 (requests one after another on both sides) and batch
@@ -21,34 +20,17 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import tempfile
 import time
 
 import torch
 
 from dilaserve.models import load_model
-from dilaserve.models.testing import special_ids, write_tiny_checkpoint
 from dilaserve.protocol import RequestState, StepEntry
+from dilaserve.tiny import MOE_MODEL_NAME, default_model_dir
+from dilaserve.tiny.tokenizer import ALPHABET, encode
 from dilaserve.worker.generate import generate
 from dilaserve.worker.runner import StepRunner
 
-#: The shape the embedded MoE model is planned at: 4 layers, 8 experts top-2 plus one
-#: shared, the first layer dense.
-SHAPE = {
-    "hidden_size": 128,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "intermediate_size": 256,
-    "moe_intermediate_size": 64,
-    "num_experts": 8,
-    "num_experts_per_tok": 2,
-    "n_group": 4,
-    "topk_group": 2,
-    "first_k_dense_replace": 1,
-}
-BLOCK = 8
 TAU = 0.9
 
 
@@ -59,17 +41,17 @@ def emit(name: str, value: float, unit: str, **extra: object) -> None:
 def reference_loop(model, prompt: list[int], gen_length: int, tau: float) -> list[int]:
     """The release's `generate` with no cache: every step forwards `[0, end of block)`
     under the block-causal mask; commits the block's masked positions at τ, at least one."""
-    mask = model.config.mask_token_id
-    total = -(-(len(prompt) + gen_length) // BLOCK) * BLOCK
+    mask, size = model.config.mask_token_id, model.config.block_size
+    total = -(-(len(prompt) + gen_length) // size) * size
     x = prompt + [mask] * (total - len(prompt))
-    for block in range(len(prompt) // BLOCK, total // BLOCK):
-        start, end = block * BLOCK, (block + 1) * BLOCK
+    for block in range(len(prompt) // size, total // size):
+        start, end = block * size, (block + 1) * size
         while mask in x[start:end]:
             ids, positions = torch.tensor([x[:end]]), torch.arange(end)[None]
             logits = model(ids, positions, torch.ones(1, end, dtype=torch.bool))[0, start:end]
             logits[:, mask] = float("-inf")
             confidence, tokens = logits.softmax(-1).max(-1)
-            masked = [i for i in range(BLOCK) if x[start + i] == mask]
+            masked = [i for i in range(size) if x[start + i] == mask]
             picked = [i for i in masked if confidence[i] >= tau]
             for i in picked or [max(masked, key=lambda i: confidence[i].item())]:
                 x[start + i] = int(tokens[i])
@@ -93,7 +75,9 @@ def stream(model, prompts: list[list[int]], gen_length: int, sharing: bool):
     )
     mask = model.config.mask_token_id
     waiting = [
-        RequestState.new(i, p, gen_length, block_length=BLOCK, mask_token_id=mask, aligned=True)
+        RequestState.new(
+            i, p, gen_length, block_length=model.config.block_size, mask_token_id=mask, aligned=True
+        )
         for i, p in enumerate(prompts)
     ]
     live: list[int] = []
@@ -121,14 +105,13 @@ def main() -> None:
     torch.set_num_threads(1)
     count, prompt_len, gen_length = (8, 64, 16) if args.quick else (16, 256, 64)
     rng = random.Random(0)
-    with tempfile.TemporaryDirectory() as directory:
-        write_tiny_checkpoint(directory, "llada2", block_length=BLOCK, **SHAPE)
-        model = load_model(directory)
-    vocab = min(special_ids("llada2").values())  # ordinary tokens only
-    prompts = [
-        [rng.randrange(vocab) for _ in range(prompt_len + rng.randrange(BLOCK))]
-        for _ in range(count)
-    ]
+    model = load_model(default_model_dir(MOE_MODEL_NAME))
+    block = model.config.block_size
+
+    def text(n: int) -> list[int]:
+        return encode("".join(rng.choice(ALPHABET) for _ in range(n)))
+
+    prompts = [text(prompt_len + rng.randrange(block)) for _ in range(count)]
     with torch.inference_mode():
         reference, reference_s = timed(
             lambda: [reference_loop(model, p, gen_length, TAU) for p in prompts]
@@ -145,10 +128,9 @@ def main() -> None:
 
     # Half the requests open with one system prompt of whole blocks, then their own text.
     system_len = prompt_len - prompt_len // 16
-    system = [rng.randrange(vocab) for _ in range(system_len)]
+    system = text(system_len)
     shared = [
-        (system if i % 2 else [rng.randrange(vocab) for _ in range(system_len)])
-        + [rng.randrange(vocab) for _ in range(prompt_len - system_len)]
+        (system if i % 2 else text(system_len)) + text(prompt_len - system_len)
         for i in range(2 * count)
     ]
     with torch.inference_mode():
