@@ -33,6 +33,19 @@ class Outcome:
         return self.latency_s is not None and self.latency_s <= self.slo_s
 
 
+async def served_model(url: str, api_key: str | None = None) -> str:
+    """The model a server serves (the first `/v1/models` lists): what requests name."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"{url.rstrip('/')}/v1/models", headers=headers) as r,
+    ):
+        data = await r.json(content_type=None)
+    if r.status != 200 or not data.get("data"):
+        raise RuntimeError(f"{url}/v1/models answered {r.status}: {data}")
+    return str(data["data"][0]["id"])
+
+
 class Client:
     def __init__(self, url: str, api_key: str | None = None, model: str = "dilaserve-tiny"):
         self.url = url.rstrip("/")

@@ -17,7 +17,7 @@ import aiohttp
 
 from dilaserve.traces import read_trace
 
-from .client import Client
+from .client import Client, served_model
 from .report import Summary, summarize
 from .workload import (
     Arrival,
@@ -123,7 +123,7 @@ def run_sweep(
     for policy in spec.policies:
         server = contextlib.nullcontext(url) if url else spawned_server(policy, spec.serve_args)
         with server as base:
-            client = Client(base, api_key)
+            client = Client(base, api_key, asyncio.run(served_model(base, api_key)))
             if not slo:
                 isolated = asyncio.run(client.isolated_latency(seed=spec.seed))
                 slo = {task: spec.slo_scale * s for task, s in isolated.items()}
