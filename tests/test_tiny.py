@@ -160,18 +160,7 @@ def test_a_block_diffusion_example_trains_one_block_over_a_clean_prefix():
 
 
 def test_the_moe_run_trains_a_block_diffusion_model_and_balances_its_routers(tmp_path):
-    cfg = replace(
-        TINY_MOE,
-        d_model=32,
-        n_layers=2,
-        n_heads=2,
-        mlp_hidden_size=64,
-        expert_hidden_size=16,
-        batch_tokens=512,
-        steps=4,
-        save_every=4,
-        router_bias_rate=0.01,
-    )
+    cfg = small_moe_config(batch_tokens=512, steps=4, save_every=4, router_bias_rate=0.01)
     trainer = Trainer(cfg, tmp_path)
     trainer.run()
     model = load_model(tmp_path / "checkpoint")
@@ -198,6 +187,12 @@ def small_config(**overrides) -> TrainConfig:
     """A model and batches small enough to train a few steps in a test, on one thread."""
     settings = {"d_model": 32, "n_layers": 1, "n_heads": 2, "mlp_hidden_size": 64}
     return TrainConfig(**{**settings, "batch_tokens": 512, "threads": 1, **overrides})
+
+
+def small_moe_config(**overrides) -> TrainConfig:
+    """`small_config`'s sizes for the MoE run: two layers, the first dense, experts of 16."""
+    settings = {"d_model": 32, "n_layers": 2, "n_heads": 2, "mlp_hidden_size": 64}
+    return replace(TINY_MOE, **{**settings, "expert_hidden_size": 16, **overrides})
 
 
 def test_resumed_training_matches_an_uninterrupted_run(tmp_path):
@@ -298,8 +293,7 @@ def test_eval_command_prints_one_json_object_per_cell(capsys, tmp_path, untraine
 def test_eval_of_a_block_diffusion_model_compares_its_exact_cache_with_none(capsys, tmp_path):
     from dilaserve.cli import main
 
-    cfg = replace(TINY_MOE, d_model=32, n_layers=2, n_heads=2, mlp_hidden_size=64)
-    export(build_model(replace(cfg, expert_hidden_size=16), torch.Generator()), tmp_path)
+    export(build_model(small_moe_config(), torch.Generator()), tmp_path)
     args = ["eval", "--json", "--n", "4", "--thresholds", "0.9", "--model", str(tmp_path)]
     assert main(args) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]

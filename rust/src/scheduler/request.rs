@@ -122,8 +122,8 @@ impl Request {
         match self.next_kind {
             StepKind::Cache if self.opens_exact_block() => self.full_step_tokens(),
             StepKind::Cache => u64::from(self.block_length),
-            StepKind::Recompute if self.exact => self.prefix_tokens(),
-            StepKind::Recompute | StepKind::NoCache => self.seq_tokens(),
+            StepKind::Recompute => self.move_tokens(),
+            StepKind::NoCache => self.seq_tokens(),
         }
     }
 
