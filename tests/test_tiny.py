@@ -141,17 +141,21 @@ def test_collate_masks_answer_positions_only_and_weights_by_inverse_ratio():
 
 
 def test_a_block_diffusion_example_trains_one_block_over_a_clean_prefix():
-    """Block-causal training: each example is cut at the end of one block holding answer
-    positions, and only that block's answer positions are noised."""
+    """Block-causal training: each example is cut at the end of one whole block that
+    decoding produces (none past the block of the first EOS), and only that block's answer
+    positions are noised."""
     rng = random.Random(0)
     examples = [make_example(p, rng) for p in tasks.make_problems(64, seed=3)]
     generator = torch.Generator().manual_seed(0)
     cut = [one_noisy_block(e, 8, generator) for e in examples]
     for e, c in zip(examples, cut, strict=True):
-        assert e.ids[: len(c.ids)] == c.ids
-        assert len(c.ids) == len(e.ids) or len(c.ids) % 8 == 0  # ends at a block's end
+        first_eos = e.ids.index(EOS_ID, e.answer_start)
+        kept = min(len(c.ids), len(e.ids))
+        assert e.ids[:kept] == c.ids[:kept] and set(c.ids[kept:]) <= {EOS_ID}
+        assert len(c.ids) % 8 == 0  # a whole block, padded with EOS where the example ends
         assert c.answer_start >= e.answer_start and c.answer_start < len(c.ids)
         assert (len(c.ids) - 1) // 8 == c.answer_start // 8  # the loss lies in one block
+        assert c.answer_start // 8 <= first_eos // 8  # never a block of EOS padding alone
     assert len({len(c.ids) for c in cut}) > 1
     _, _, _, masked, _ = collate(examples, torch.Generator().manual_seed(1), block=8)
     for i in range(len(examples)):

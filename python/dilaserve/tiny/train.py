@@ -9,8 +9,9 @@ Tasks are drawn in `tasks.TRAINING_WEIGHTS`, after a first stretch of `add` alon
 
 The block diffusion model (`family="llada2_moe"`, dilaserve-tiny-moe) attends
 block-causally, so a block is only ever denoised with every earlier block clean: per example
-one block holding answer positions is drawn, the example is cut at its end, and only that
-block's answer positions are masked (as SDAR and LLaDA2's block SFT train, one noisy block
+one block that decoding produces (from the first answer block to the block of the first
+EOS) is drawn, the example is cut at its end, and only that block's answer positions are
+masked (as SDAR and LLaDA2's block SFT train, one noisy block
 over a clean prefix). Its routers are balanced without an auxiliary loss, as LLaDA2's are:
 after each step every expert's selection bias moves by `router_bias_rate` towards equal
 load.
@@ -81,8 +82,9 @@ class TrainConfig:
 
 #: The embedded block diffusion model's run: 4 layers of 256 (GQA, 4 KV heads), the first
 #: dense, then 8 experts of 192 chosen 2 at a time plus one shared (as many active FFN
-#: weights per token as dilaserve-tiny's 768); a shorter run than dilaserve-tiny's.
-TINY_MOE = TrainConfig(family="llada2_moe", steps=6000, solo_steps=1000, threads=1)
+#: weights per token as dilaserve-tiny's 768); a shorter run than dilaserve-tiny's. In fp32:
+#: bf16 autocast pays only on CPUs with AVX512-bf16 or AMX and is ten times slower without.
+TINY_MOE = TrainConfig(family="llada2_moe", steps=8000, solo_steps=1000, threads=1, bf16=False)
 
 
 def llada_config(cfg: TrainConfig) -> dict[str, Any]:
@@ -245,11 +247,18 @@ class BatchStream:
 
 def one_noisy_block(example: Example, block: int, generator: torch.Generator) -> Example:
     """For a block-causal model: the example cut at the end of one block drawn among those
-    holding answer positions, its loss positions that block's answer positions."""
-    first, last = example.answer_start // block, (len(example.ids) - 1) // block
+    decoding produces, its loss positions that block's answer positions.
+
+    Decoding stops after the block that holds the first EOS, so later blocks of EOS padding
+    are never decoded and are not drawn. The chosen block is whole: an example that ends
+    inside it is padded with EOS, as the answer is followed by EOS wherever decoding ends.
+    """
+    first_eos = example.ids.index(EOS_ID, example.answer_start)
+    first, last = example.answer_start // block, first_eos // block
     chosen = first + int(torch.randint(last - first + 1, (1,), generator=generator))
-    end = min(len(example.ids), (chosen + 1) * block)
-    return Example(example.ids[:end], max(example.answer_start, chosen * block))
+    end = (chosen + 1) * block
+    ids = example.ids[:end] + [EOS_ID] * (end - len(example.ids))
+    return Example(ids, max(example.answer_start, chosen * block))
 
 
 def collate(
