@@ -9,6 +9,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from dilaserve.cli import build_parser
+from dilaserve.cli.train_tiny import run_config
 from dilaserve.models import load_model, load_tokenizer
 from dilaserve.tiny import MOE_MODEL_NAME, default_model_dir, model_path, tasks
 from dilaserve.tiny.evaluate import EVAL_SEED, decode_problems
@@ -356,3 +358,18 @@ def test_generate_command_answers_with_the_shipped_model_by_default(capsys):
 
     assert main(["generate", "12345+67890="]) == 0
     assert capsys.readouterr().out.strip() == "80235"
+
+
+def test_train_tiny_keeps_each_models_own_settings_unless_a_flag_names_one():
+    """The MoE run trains in fp32; a default `--bf16` used to override it (bf16 autocast is
+    ten times slower on CPUs without AVX512-bf16)."""
+    parser = build_parser()
+
+    def config(*flags: str) -> TrainConfig:
+        return run_config(parser.parse_args(["train-tiny", "--out", "x", *flags]))
+
+    assert config("--model", "dilaserve-tiny-moe") == TINY_MOE
+    assert config() == TrainConfig()
+    assert config("--model", "dilaserve-tiny-moe", "--bf16").bf16
+    assert not config("--no-bf16").bf16
+    assert config("--steps", "7").steps == 7

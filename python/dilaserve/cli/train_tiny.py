@@ -44,7 +44,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--out", required=True, help="run directory (log, state, checkpoint)")
     p.add_argument("--resume", action="store_true", help="continue the run saved in --out")
-    p.add_argument("--no-bf16", dest="bf16", action="store_false", help="train in float32")
+    p.add_argument(
+        "--bf16",
+        action=argparse.BooleanOptionalAction,
+        help="bf16 autocast (--no-bf16: float32); default: the model's run",
+    )
     types = {f.name: f.type for f in fields(TrainConfig)}
     for name in _FLAGS:
         kind = float if types[name] in (float, "float") else int
@@ -52,11 +56,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    chosen = {name: getattr(args, name) for name in _FLAGS if getattr(args, name) is not None}
-    cfg = replace(RUNS[args.model], bf16=args.bf16, **chosen)
+def run_config(args: argparse.Namespace) -> TrainConfig:
+    """The chosen model's run with the settings given as flags."""
+    chosen = {
+        name: getattr(args, name) for name in (*_FLAGS, "bf16") if getattr(args, name) is not None
+    }
+    cfg = replace(RUNS[args.model], **chosen)
     if cfg.steps <= 0 or cfg.batch_tokens <= 0 or cfg.threads <= 0:
         raise ValueError("--steps, --batch-tokens and --threads must be positive")
+    return cfg
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = run_config(args)
     trainer = Trainer(cfg, args.out)
     if args.resume and trainer.resume():
         print(f"resuming at step {trainer.step}")
