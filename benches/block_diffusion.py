@@ -9,8 +9,9 @@ for one request at a time. Batch 1 (requests one after another on both sides) an
 
 Prefix sharing: a stream of requests arriving one per step, half of them behind one long
 system prompt, on runners with and without the prefix store — the share of prompt tokens
-whose K/V was found stored, the prefill tokens that saved, and that sharing changes no
-token.
+whose K/V was found stored, the prefill tokens that saved, the KV rows the requests hold
+per step on average against the runner without the store (shared blocks are held once), and
+that sharing changes no token.
 
 Prints one JSON object per line. `python benches/block_diffusion.py [--quick]`.
 """
@@ -69,7 +70,8 @@ def cached(model, prompts: list[list[int]], gen_length: int, batch: int) -> list
 
 def stream(model, prompts: list[list[int]], gen_length: int, sharing: bool):
     """Adds one request per step (arrivals spread over time, as a server sees them) and
-    steps every live one until all are done; their outputs and the runner."""
+    steps every live one until all are done; their outputs, the runner, and the KV pool
+    rows the requests held per step on average (shared blocks they read counted once)."""
     runner = StepRunner(
         model, cache="block", max_requests=len(prompts), max_seq_len=1024, prefix_caching=sharing
     )
@@ -81,14 +83,17 @@ def stream(model, prompts: list[list[int]], gen_length: int, sharing: bool):
         for i, p in enumerate(prompts)
     ]
     live: list[int] = []
+    held: list[int] = []
     while waiting or live:
         if waiting:
             runner.add(waiting[0])
             live.append(waiting.pop(0).request_id)
+        held.append(runner.pool.held_tokens)
         batch = [StepEntry(r, TAU, runner.next_kind(r)) for r in live]
         report = runner.step(batch)
         live = [o.request_id for o in report.outputs if not o.done]
-    return [runner.state(i).generated_ids() for i in range(len(prompts))], runner
+    outputs = [runner.state(i).generated_ids() for i in range(len(prompts))]
+    return outputs, runner, sum(held) / len(held)
 
 
 def timed(fn, *args):
@@ -134,15 +139,16 @@ def main() -> None:
         for i in range(2 * count)
     ]
     with torch.inference_mode():
-        (plain, runner), plain_s = timed(stream, model, shared, gen_length, False)
+        (plain, runner, plain_held), plain_s = timed(stream, model, shared, gen_length, False)
         plain_fed = runner.forward_tokens
-        (reused, runner), shared_s = timed(stream, model, shared, gen_length, True)
+        (reused, runner, shared_held), shared_s = timed(stream, model, shared, gen_length, True)
     stats = runner.prefix.stats
     shape = {"requests": 2 * count, "prompt_tokens": prompt_len, "system_tokens": system_len}
     emit("prefix_hit_token_share", stats.hit_token_share, "share", **shape)
     emit("bd_prefix_saved_prefill_tokens", stats.hit_tokens, "tokens", **shape)
     emit("bd_prefix_fed_token_ratio", runner.forward_tokens / plain_fed, "x", **shape)
     emit("ratio_bd_prefix_sharing_vs_none", plain_s / shared_s, "x", **shape)
+    emit("bd_prefix_kv_rows_ratio", shared_held / plain_held, "x", **shape)
     emit("bd_tokens_identical_prefix_shared_vs_not", float(reused == plain), "bool", **shape)
 
 

@@ -204,8 +204,9 @@ def test_llada2s_threshold_with_a_floor_commits_at_least_the_schedules_share(mod
 
 
 def test_requests_sharing_a_system_prompt_compute_its_blocks_once_and_decode_as_alone(model):
-    """Prefix sharing: the second request takes the first's K/V of their three common
-    prompt blocks instead of computing it, and both decode exactly as they do alone."""
+    """Prefix sharing: the second request reads the first's K/V of their three common
+    prompt blocks in place instead of computing it (held once in the pool: its own extent
+    holds only what follows them), and both decode exactly as they do alone."""
     system = [5, 17, 250, 33, 91, 8, 64, 120, 77, 3, 12, 19]  # three blocks of four
     first, second = system + [40, 41, 42, 43], system + [7, 9, 11]
     expected = [reference_generate(model, p, GEN, TAU) for p in (first, second)]
@@ -221,6 +222,7 @@ def test_requests_sharing_a_system_prompt_compute_its_blocks_once_and_decode_as_
     assert r.step([StepEntry(1, TAU, StepKind.RECOMPUTE)]).forward_tokens == 20
     add(2, second)
     assert r.prefix.stats.hit_tokens == 12 and r.next_kind(2) is StepKind.RECOMPUTE
+    assert r.pool.extent(2)[1] == r.state(2).seq_length - 12
     # Its first step feeds only its own block (the prompt's tail and three masks).
     assert r.step([StepEntry(2, TAU, StepKind.RECOMPUTE)]).forward_tokens == 4
     while not (r.finished(1) and r.finished(2)):
@@ -231,6 +233,7 @@ def test_requests_sharing_a_system_prompt_compute_its_blocks_once_and_decode_as_
     r.release(1)
     add(3, first)
     assert r.prefix.stats.hit_tokens == 12 + 16
+    assert r.pool.extent(3)[1] == r.state(3).seq_length - 16
     assert r.step([StepEntry(3, TAU, StepKind.RECOMPUTE)]).forward_tokens == 4
     unshared = StepRunner(
         model,

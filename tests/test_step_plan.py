@@ -3,6 +3,7 @@ other ranks run."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dilaserve.models.packed import PackedBatch
@@ -22,7 +23,8 @@ def _round_trip(head: torch.Tensor, body: torch.Tensor):
     return unpack(head, body, torch.device("cpu"))
 
 
-def test_a_step_reading_the_pool_round_trips():
+@pytest.mark.parametrize("shared", [None, (((8, 16), (40, 8)), ()), ((), ((0, 8),))])
+def test_a_step_reading_the_pool_round_trips(shared):
     batch = PackedBatch(
         ids=torch.tensor([5, 6, 7, 8, 9]),
         positions=torch.tensor([0, 1, 2, 40, 41]),
@@ -30,12 +32,14 @@ def test_a_step_reading_the_pool_round_trips():
         logits_index=torch.tensor([[1, 2], [3, 3]]),
         cache_slots=torch.tensor([100, 101, 102, 240, 241]),
         cache_reads=((100, 3), (200, 42)),
+        cache_shared=shared,
     )
     got = _round_trip(*pack_step(batch)).batch
     assert got is not None
     for name in ("ids", "positions", "logits_index", "cache_slots"):
         assert torch.equal(getattr(got, name), getattr(batch, name)), name
     assert got.lengths == batch.lengths and got.cache_reads == batch.cache_reads
+    assert got.cache_shared == shared
 
 
 def test_a_step_without_the_pool_round_trips():

@@ -356,12 +356,18 @@ def test_tp2_decodes_exactly_the_tokens_of_tp1_in_every_cache_mode():
         assert got[cache] == want[cache], cache
 
 
-def _decode_block_diffusion(model, prompts, length) -> list[tuple[list[int], int]]:
+def _decode_block_diffusion(model, prompts, length) -> list[list[tuple[list[int], int]]]:
+    """The prompts decoded twice on one runner: the second time, their whole blocks are
+    read from the prefix store (every rank reads the same shared segments)."""
     runner = StepRunner(model, cache="block", max_requests=len(prompts), max_seq_len=64)
-    generations = generate(
-        runner, prompts, gen_length=length, threshold=lambda s: (0.2, 0.05)[s.steps_done % 2]
-    )
-    return [(g.output_ids, g.steps) for g in generations]
+    passes = []
+    for _ in range(2):
+        generations = generate(
+            runner, prompts, gen_length=length, threshold=lambda s: (0.2, 0.05)[s.steps_done % 2]
+        )
+        passes.append([(g.output_ids, g.steps) for g in generations])
+    assert runner.prefix is not None and runner.prefix.stats.hit_tokens >= 8
+    return passes
 
 
 def test_tp2_decodes_a_moe_block_diffusion_model_exactly_like_tp1(tmp_path):
@@ -370,3 +376,4 @@ def test_tp2_decodes_a_moe_block_diffusion_model_exactly_like_tp1(tmp_path):
     want = _decode_block_diffusion(load_model(model_dir), prompts, 9)
     got = run_on_group(2, str(model_dir), _decode_block_diffusion, prompts, 9, timeout_s=300)
     assert got == want
+    assert want[0] == want[1]  # read shared or computed, the same tokens

@@ -150,8 +150,10 @@ class Attention(nn.Module):
             if cache.slots is not None:
                 cache.pool.write(layer, cache.slots, k, v)
             pool = cache.pool.layer(layer)
-        reads = None if cache is None else cache.reads
-        out = attend(q, k, v, lengths, pool, reads, q_lengths, masks)
+        reads = shared = None
+        if cache is not None:
+            reads, shared = cache.reads, cache.shared
+        out = attend(q, k, v, lengths, pool, reads, q_lengths, masks, shared)
         return self.o(out.reshape(x.shape[0], self.heads * self.head_dim))
 
 

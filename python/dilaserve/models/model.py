@@ -109,7 +109,9 @@ class DiffusionLM(nn.Module):
         if batch.uses_pool and cache is None:
             raise ValueError("a forward that writes or reads the KV pool needs the pool")
         access = (
-            PoolAccess(cache, batch.cache_slots, batch.cache_reads) if batch.uses_pool else None
+            PoolAccess(cache, batch.cache_slots, batch.cache_reads, batch.cache_shared)
+            if batch.uses_pool
+            else None
         )
         x = self.embed(batch.ids)
         if self.config.input_scale != 1.0:
@@ -120,11 +122,11 @@ class DiffusionLM(nn.Module):
         masks = masks_keep = None
         if config.block_size:
             masks = block_causal_masks(
-                batch.positions, batch.lengths, batch.cache_reads, config.block_size
+                batch.positions, batch.lengths, batch.key_counts, config.block_size
             )
             if keep is not None:
                 masks_keep = block_causal_masks(
-                    batch.positions, batch.lengths, batch.cache_reads, config.block_size, keep
+                    batch.positions, batch.lengths, batch.key_counts, config.block_size, keep
                 )
         last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):

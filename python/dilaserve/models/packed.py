@@ -28,6 +28,10 @@ except ImportError:  # pragma: no cover - depends on the installed packages
     flash_attn_varlen_func = None
 
 
+#: Pool rows as (first row, length) runs, in position order.
+Segments = tuple[tuple[int, int], ...]
+
+
 @dataclass(frozen=True)
 class PackedBatch:
     """One forward: fed tokens `ids` `[T]` with absolute `positions` `[T]`, `lengths` fed
@@ -36,7 +40,9 @@ class PackedBatch:
 
     With a KV pool, `cache_slots` `[T]` are the pool rows every layer writes the fed K/V to,
     and `cache_reads` — per row, (first pool row, length) — make that row attend over that
-    extent of the pool (after the write) instead of over its own fed tokens."""
+    extent of the pool (after the write) instead of over its own fed tokens. With
+    `cache_shared`, a row first reads its shared prefix (prefix sharing): per row, the pool
+    segments (first row, length) holding its leading positions, its extent the rest."""
 
     ids: torch.Tensor
     positions: torch.Tensor
@@ -44,6 +50,7 @@ class PackedBatch:
     logits_index: torch.Tensor | None = None
     cache_slots: torch.Tensor | None = None
     cache_reads: tuple[tuple[int, int], ...] | None = None
+    cache_shared: tuple[Segments, ...] | None = None
 
     def __post_init__(self) -> None:
         total = sum(self.lengths)
@@ -58,10 +65,25 @@ class PackedBatch:
             raise ValueError("cache_slots must name one pool row per fed token")
         if self.cache_reads is not None and len(self.cache_reads) != len(self.lengths):
             raise ValueError("cache_reads must give one pool extent per row")
+        if self.cache_shared is not None and (
+            self.cache_reads is None or len(self.cache_shared) != len(self.lengths)
+        ):
+            raise ValueError("cache_shared must give one tuple of segments per reading row")
 
     @property
     def uses_pool(self) -> bool:
         return self.cache_slots is not None or self.cache_reads is not None
+
+    @property
+    def key_counts(self) -> tuple[int, ...] | None:
+        """Per row, the keys it reads from the pool (shared prefix and extent), if any."""
+        if self.cache_reads is None:
+            return None
+        shared = self.cache_shared or ((),) * len(self.lengths)
+        return tuple(
+            n + sum(m for _, m in segments)
+            for (_, n), segments in zip(self.cache_reads, shared, strict=True)
+        )
 
 
 @dataclass(frozen=True)
@@ -71,6 +93,7 @@ class PoolAccess:
     pool: KVCache
     slots: torch.Tensor | None
     reads: tuple[tuple[int, int], ...] | None
+    shared: tuple[Segments, ...] | None = None
 
 
 def attend(
@@ -82,18 +105,22 @@ def attend(
     reads: tuple[tuple[int, int], ...] | None = None,
     q_lengths: tuple[int, ...] | None = None,
     masks: list[torch.Tensor] | None = None,
+    shared: tuple[Segments, ...] | None = None,
 ) -> torch.Tensor:
     """Attention of packed queries `q` `[Tq, heads, dim]`: each row over its own `k`, `v`
     `[T, kv_heads, dim]` rows (`lengths` per row), or with `reads` over its extent of the
-    pool's `[capacity, kv_heads, dim]` K and V. Rows have `q_lengths` queries (default:
-    `lengths`, every fed token). Bidirectional, unless `masks` gives each row's
-    `[queries, keys]` boolean mask (`block_causal_masks`). Returns `[Tq, heads, dim]`."""
+    pool's `[capacity, kv_heads, dim]` K and V, after the pool segments `shared` names for
+    it. Rows have `q_lengths` queries (default: `lengths`, every fed token). Bidirectional,
+    unless `masks` gives each row's `[queries, keys]` boolean mask (`block_causal_masks`).
+    Returns `[Tq, heads, dim]`."""
     q_lengths = lengths if q_lengths is None else q_lengths
     rows = len(lengths)
     stacked = None
     if masks is not None and len({m.shape for m in masks}) == 1:
         stacked = torch.stack(masks)[:, None]
     if reads is not None and pool is not None:
+        if shared is not None and any(shared):
+            return _attend_segments(q, q_lengths, pool, reads, shared, masks)
         batched = _even_extents(q_lengths, reads)
         if batched is not None and (masks is None or stacked is not None):
             keys, values = (_strided_rows(t, *batched) for t in pool)
@@ -125,23 +152,70 @@ def attend(
     )
 
 
+def _attend_segments(
+    q: torch.Tensor,
+    q_lengths: tuple[int, ...],
+    pool: tuple[torch.Tensor, torch.Tensor],
+    reads: tuple[tuple[int, int], ...],
+    shared: tuple[Segments, ...],
+    masks: list[torch.Tensor] | None,
+) -> torch.Tensor:
+    """Per row, attention over its shared prefix segments and then its extent, read in
+    place: a row that shares nothing runs SDPA on its extent's view; one that does, the
+    scores of every segment under one softmax (`_sdpa_segments`), with no gather."""
+    out = []
+    for i, (qi, (b, n), segments) in enumerate(zip(q.split(q_lengths), reads, shared, strict=True)):
+        mask = None if masks is None else masks[i]
+        parts = [*segments, (b, n)]
+        keys = [pool[0][s : s + m] for s, m in parts]
+        values = [pool[1][s : s + m] for s, m in parts]
+        if len(parts) == 1:
+            row_mask = None if mask is None else mask[None, None]
+            out.append(_sdpa(qi[None], keys[0][None], values[0][None], row_mask)[0])
+        else:
+            out.append(_sdpa_segments(qi, keys, values, mask))
+    return torch.cat(out)
+
+
+def _sdpa_segments(
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor | None
+) -> torch.Tensor:
+    """Attention of one row's queries `q` `[n, heads, dim]` over keys and values held in
+    several `[m_i, kv_heads, dim]` pool segments, without copying them together: each
+    segment's scores, one softmax over all of them (with `mask` `[n, sum m_i]`), and the sum
+    of each segment's weighted values. Queries are few (a block), so the scores are small."""
+    n, heads, dim = q.shape
+    kv_heads = keys[0].shape[1]
+    grouped = q.view(n, kv_heads, heads // kv_heads, dim).permute(1, 2, 0, 3)  # [kvh, g, n, d]
+    scores = torch.cat([grouped @ k.permute(1, 2, 0)[:, None] for k in keys], dim=-1)
+    scores = scores.float() * dim**-0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    out = sum(
+        p @ v.permute(1, 0, 2)[:, None]
+        for p, v in zip(probs.split([k.shape[0] for k in keys], dim=-1), values, strict=True)
+    )
+    return out.permute(2, 0, 1, 3).reshape(n, heads, dim)  # type: ignore[union-attr]
+
+
 def block_causal_masks(
     positions: torch.Tensor,
     lengths: tuple[int, ...],
-    reads: tuple[tuple[int, int], ...] | None,
+    key_counts: tuple[int, ...] | None,
     block: int,
     keep: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Per row, the `[queries, keys]` mask of block-causal attention (block diffusion
     models): a token sees every token of its own `block`-long block of absolute positions
-    and of the blocks before it. Keys are the row's fed tokens, or with `reads` its pool
-    extent, whose row `j` holds position `j`; queries are the fed tokens, or the ones
-    `keep` `[rows, m]` picks."""
+    and of the blocks before it. Keys are the row's fed tokens, or with `key_counts` the
+    keys it reads from the pool, whose `j`-th holds position `j`; queries are the fed
+    tokens, or the ones `keep` `[rows, m]` picks."""
     queries = positions.split(lengths) if keep is None else list(positions[keep])
-    if reads is None:
+    if key_counts is None:
         keys = positions.split(lengths)
     else:
-        keys = [torch.arange(n, device=positions.device) for _, n in reads]
+        keys = [torch.arange(n, device=positions.device) for n in key_counts]
     return [
         (k // block)[None, :] <= (q // block)[:, None] for q, k in zip(queries, keys, strict=True)
     ]

@@ -97,7 +97,9 @@ class KVCachePool:
     to the other ranks' pools). Extents allocated `evictable` (stored prefix blocks) hold
     rows no request needs: a request that finds no free run of its length takes the run of
     free and evictable rows that evicts the fewest, and only if there is none are they all
-    evicted and the pool compacted; `on_evict` (optional) is told which were."""
+    evicted and the pool compacted; `on_evict` (optional) is told which were. An evictable
+    extent that requests read is `pin`ned (counted per reader) and is not evicted until the
+    last reader `unpin`s it."""
 
     def __init__(
         self,
@@ -119,7 +121,8 @@ class KVCachePool:
         self.bytes_per_token = bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
         self.on_move = on_move
         self.on_evict: Callable[[list[int]], None] | None = None
-        self._evictable: set[int] = set()
+        self._evictable: set[int] = set()  # stored extents no request reads
+        self._pins: dict[int, int] = {}  # stored extent -> requests reading it
         self._extents: dict[int, tuple[int, int]] = {}  # request id -> (start, length)
         self._free: list[tuple[int, int]] = [(0, capacity)]  # sorted (start, length) holes
         self.compactions = 0
@@ -129,6 +132,11 @@ class KVCachePool:
     @property
     def free_tokens(self) -> int:
         return sum(length for _, length in self._free)
+
+    @property
+    def held_tokens(self) -> int:
+        """Rows requests need: their extents and the stored blocks they read."""
+        return self.capacity - self.free_tokens - self.evictable_tokens
 
     @property
     def evictable_tokens(self) -> int:
@@ -166,8 +174,34 @@ class KVCachePool:
             self._evictable.add(request_id)
         return start
 
+    def pin(self, extent_id: int) -> None:
+        """Counts a reader of evictable extent `extent_id`: it is not evicted while read."""
+        if extent_id not in self._evictable and extent_id not in self._pins:
+            raise CacheSlotError(f"{extent_id} is not a stored (evictable) extent")
+        self._evictable.discard(extent_id)
+        self._pins[extent_id] = self._pins.get(extent_id, 0) + 1
+
+    def unpin(self, extent_id: int) -> None:
+        """Drops a reader of `extent_id`; with the last one gone it is evictable again."""
+        count = self._pins.get(extent_id, 0)
+        if not count:
+            raise CacheSlotError(f"extent {extent_id} is not pinned")
+        if count == 1:
+            del self._pins[extent_id]
+            self._evictable.add(extent_id)
+        else:
+            self._pins[extent_id] = count - 1
+
+    def pinned(self, extent_id: int) -> bool:
+        return extent_id in self._pins
+
     def free(self, request_id: int) -> None:
-        """Returns `request_id`'s extent; freeing one it does not hold is an error."""
+        """Returns `request_id`'s extent; freeing one it does not hold, or one requests
+        still read (pinned), is an error."""
+        if request_id in self._pins:
+            raise CacheSlotError(
+                f"extent {request_id} is read by {self._pins[request_id]} requests"
+            )
         try:
             start, length = self._extents.pop(request_id)
         except KeyError:

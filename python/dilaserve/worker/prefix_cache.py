@@ -1,6 +1,6 @@
 """Prefix sharing for block diffusion's exact KV cache: the K/V of a prompt's whole blocks
 is final once computed (later positions never change it), so a request whose prompt starts
-with blocks another request already computed takes their K/V instead of recomputing it.
+with blocks another request already computed reads their K/V instead of recomputing it.
 
 Blocks are keyed by their content and everything before them (a chain: the previous
 block's key and this block's tokens — content and position, as vLLM's prefix caching and
@@ -8,10 +8,12 @@ SGLang's block radix cache key them), compared exactly, never by a hash alone. E
 block is an evictable extent of the KV pool, placed only in free rows: the store never takes
 room a request needs, since the pool evicts the stored blocks in a request's way (those of
 the free run that evicts fewest) before it refuses or compacts; to store a block where no
-run is free, the store evicts its own least recently used blocks. A hit is copied into
-the request's own extent (a device copy of `block` rows per layer, far cheaper than the
-forward it replaces): a request's K/V stays one contiguous extent, which attention reads
-with no gather.
+run is free, the store evicts its own least recently used blocks.
+
+A request that hits reads the stored blocks in place (attention over the pool segments, no
+copy) and pins them, so they are held once however many requests read them and are not
+evicted until the last reader leaves (reference counts); its own extent holds only the
+positions after them.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class PrefixCache:
         self._entries: OrderedDict[BlockKey, _Entry] = OrderedDict()  # oldest use first
         self._keys: dict[int, BlockKey] = {}  # pool id -> key
         self._ids = itertools.count(1)
+        self._readers: dict[int, list[int]] = {}  # request id -> pool ids of its shared blocks
         self.stats = PrefixStats()
         pool.on_evict = self._forget
 
@@ -62,9 +65,11 @@ class PrefixCache:
     def _blocks(self, prompt: list[int]) -> range:
         return range(0, len(prompt) - len(prompt) % self.block, self.block)
 
-    def load(self, request_id: int, prompt: list[int]) -> int:
-        """Copies the stored K/V of `prompt`'s longest stored run of leading blocks into
-        `request_id`'s extent; the positions it covers."""
+    def acquire(self, request_id: int, prompt: list[int]) -> int:
+        """Pins `prompt`'s longest stored run of leading blocks for `request_id`, which
+        reads them until `release`; the positions they cover."""
+        if request_id in self._readers:
+            raise ValueError(f"request {request_id} already reads a stored prefix")
         self.stats.looked_up_tokens += len(self._blocks(prompt)) * self.block
         hits: list[BlockKey] = []
         parent = 0
@@ -75,21 +80,36 @@ class PrefixCache:
                 break
             hits.append(key)
             parent = entry.key_id
-        base = self.pool.base(request_id)
-        self.pool.copy(
-            [
-                Move(self.pool.base(self._entries[key].pool_id), base + i * self.block, self.block)
-                for i, key in enumerate(hits)
-            ]
-        )
+        pool_ids = [self._entries[key].pool_id for key in hits]
+        for pool_id in pool_ids:
+            self.pool.pin(pool_id)
+        self._readers[request_id] = pool_ids
         self._touch(hits)
         covered = len(hits) * self.block
         self.stats.hit_tokens += covered
         return covered
 
-    def store(self, request_id: int, prompt: list[int]) -> None:
-        """Keeps the K/V of `prompt`'s whole blocks, final in `request_id`'s extent, in
-        room no request holds (evicting the least recently used blocks of other prompts)."""
+    def segments(self, request_id: int) -> tuple[tuple[int, int], ...]:
+        """The pool rows of `request_id`'s shared blocks as (first row, length) runs, in
+        position order (adjacent blocks joined)."""
+        runs: list[tuple[int, int]] = []
+        for pool_id in self._readers.get(request_id, ()):
+            row = self.pool.base(pool_id)
+            if runs and runs[-1][0] + runs[-1][1] == row:
+                runs[-1] = (runs[-1][0], runs[-1][1] + self.block)
+            else:
+                runs.append((row, self.block))
+        return tuple(runs)
+
+    def release(self, request_id: int) -> None:
+        """`request_id` no longer reads its shared blocks (a no-op if it read none)."""
+        for pool_id in self._readers.pop(request_id, ()):
+            self.pool.unpin(pool_id)
+
+    def store(self, request_id: int, prompt: list[int], base: int) -> None:
+        """Keeps the K/V of `prompt`'s whole blocks, final in `request_id`'s extent (its
+        position `p` at pool row `base + p`; the blocks it read shared are stored already),
+        in room no request holds (evicting the least recently used unread blocks)."""
         chain: list[BlockKey] = []
         added: list[tuple[BlockKey, int]] = []  # new blocks and their prompt positions
         parent = 0
@@ -105,7 +125,6 @@ class PrefixCache:
                 added.append((key, start))
             chain.append(key)
             parent = entry.key_id
-        base = self.pool.base(request_id)
         self.pool.copy(
             [
                 Move(base + start, self.pool.base(self._entries[key].pool_id), self.block)
@@ -121,14 +140,21 @@ class PrefixCache:
             self._entries.move_to_end(key)
 
     def _place(self, pool_id: int, keep: set[BlockKey]) -> bool:
-        """Allocates a block's extent in free rows, evicting stored blocks outside `keep`
-        least recently used first until a run is free; False if none can be."""
+        """Allocates a block's extent in free rows, evicting stored blocks no request reads
+        outside `keep`, least recently used first, until a run is free; False if none can be."""
         while True:
             try:
                 self.pool.allocate(pool_id, self.block, evictable=True)
                 return True
             except CacheFullError:
-                oldest = next((k for k in self._entries if k not in keep), None)
+                oldest = next(
+                    (
+                        k
+                        for k, e in self._entries.items()
+                        if k not in keep and not self.pool.pinned(e.pool_id)
+                    ),
+                    None,
+                )
                 if oldest is None:
                     return False
                 self.pool.free(self._entries[oldest].pool_id)

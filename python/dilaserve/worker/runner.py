@@ -17,7 +17,9 @@ committed tokens). That token state lives in the Rust core (`HeldTokens`, the ru
 engine's own copy): a step's index columns come out of it, and its read-back goes into it,
 in one call each, so the host's share of a step has no per-row Python. With a cache, each
 request holds a contiguous extent of the KV pool, sized by a memory budget and allocated by
-tokens (`kv_cache`).
+tokens (`kv_cache`); under the exact block cache, one that shares its leading prompt blocks
+with another reads them in place from the prefix store (`prefix_cache`) and its extent
+holds the rest.
 
 On a tensor-parallel instance this runner lives on rank 0: it broadcasts each step's model
 call as a packed plan (`step_plan`), every rank runs it on its shard, and the commit
@@ -84,6 +86,9 @@ class _Held:
     # Its options read its counters (sampling streams, Dream's grid, the fixed schedule):
     # its steps see a current copy of its state.
     reads_counters: bool
+    # Leading positions it reads from stored prefix blocks (prefix sharing); its extent
+    # holds the positions after them.
+    shared: int = 0
 
 
 class StepRunner:
@@ -226,16 +231,23 @@ class StepRunner:
             )
         except (ValueError, OverflowError) as exc:  # a counter that is negative or too large
             raise TokenStateError(f"request {rid}: {exc}") from None
+        shared = 0
         try:
+            if self.prefix is not None:  # whole prompt blocks, read in place
+                shared = self.prefix.acquire(rid, state.prompt_ids)
             if self.pool is not None:
-                self.pool.allocate(rid, state.seq_length)
+                self.pool.allocate(rid, state.seq_length - shared)
         except BaseException:
             self._tokens.remove(rid)
+            if self.prefix is not None:
+                self.prefix.release(rid)
             raise
-        if self.prefix is not None:  # whole prompt blocks: a seed that always fits
-            self._tokens.seed_exact(rid, self.prefix.load(rid, state.prompt_ids))
+        if shared:
+            self._tokens.seed_exact(rid, shared)
         reads = state.needs_full_logits or state.steps_per_block is not None
-        self._held[rid] = _Held(state.copy(), extent=self.pool is not None, reads_counters=reads)
+        self._held[rid] = _Held(
+            state.copy(), extent=self.pool is not None, reads_counters=reads, shared=shared
+        )
 
     def state(self, request_id: int) -> RequestState:
         """A copy of a resident request's current token state."""
@@ -289,6 +301,8 @@ class StepRunner:
         if held.extent and self.pool is not None:
             self.pool.free(request_id)
             held.extent = False
+            if self.prefix is not None:
+                self.prefix.release(request_id)
 
     def _get(self, request_id: int) -> _Held:
         try:
@@ -334,7 +348,9 @@ class StepRunner:
             return
         for entry, h in zip(batch, held, strict=True):
             if entry.kind is StepKind.RECOMPUTE:
-                self.prefix.store(entry.request_id, h.spec.prompt_ids)
+                self.prefix.store(
+                    entry.request_id, h.spec.prompt_ids, self._origin(entry.request_id)
+                )
 
     def check_entry(self, entry: StepEntry) -> None:
         """Raises `StepRejectedError` (or `RequestNotHeldError`) if `entry` cannot run here."""
@@ -385,22 +401,33 @@ class StepRunner:
         prefix cache, with the position before it for a model whose logits are shifted),
         concatenated; logits for each row's still-masked block positions — and the
         `[rows, width]` flags of the logit columns that are candidates."""
-        bases = None if self.pool is None else [self.pool.base(r) for r in ids]
+        origins = None if self.pool is None else [self._origin(r) for r in ids]
         suffix = self.cache_mode is CacheMode.PREFIX
         buffer, lengths, seq_lengths, width = self._tokens.pack(
-            ids, kinds, suffix, self.config.logit_shift, bases
+            ids, kinds, suffix, self.config.logit_shift, origins
         )
         flat = torch.frombuffer(buffer, dtype=torch.int64).to(self.device, non_blocking=True)
         fed, grid = sum(lengths), len(ids) * width
         fed_ids, positions, rest = flat[:fed], flat[fed : 2 * fed], flat[2 * fed :]
-        slots = reads = None
-        if bases is not None:
+        slots = reads = shared = None
+        if self.pool is not None:
             slots, rest = rest[:fed], rest[fed:]
-            reads = tuple(zip(bases, seq_lengths, strict=True))
+            skipped = [self._held[r].shared for r in ids]
+            reads = tuple(
+                (self.pool.base(r), n - s)
+                for r, n, s in zip(ids, seq_lengths, skipped, strict=True)
+            )
+            if self.prefix is not None and any(skipped):
+                shared = tuple(self.prefix.segments(r) for r in ids)
         index = rest[:grid].view(len(ids), width)
         candidate = rest[grid:].view(len(ids), width).bool()
-        packed = PackedBatch(fed_ids, positions, tuple(lengths), index, slots, reads)
+        packed = PackedBatch(fed_ids, positions, tuple(lengths), index, slots, reads, shared)
         return packed, candidate
+
+    def _origin(self, request_id: int) -> int:
+        """The pool row of a request's position 0 as its extent counts: its extent starts
+        at the first position it does not read shared."""
+        return self.pool.base(request_id) - self._held[request_id].shared  # type: ignore[union-attr]
 
     def _read_back(
         self,

@@ -9,6 +9,7 @@ Python objects on the wire, and a receiver that knows the body's size from the h
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -16,8 +17,9 @@ import torch
 from dilaserve.models.packed import PackedBatch
 from dilaserve.worker.kv_cache import Move
 
-#: int64 slots of a header: op, then (rows, fed tokens, logits width, pool access) for a
-#: step, the capacity for a pool, the move count for a compaction.
+#: int64 slots of a header: op, then (rows, fed tokens, logits width, pool access, full
+#: logits, shared prefix segments) for a step, the capacity for a pool, the move count for
+#: a compaction.
 HEADER_LEN = 8
 
 
@@ -76,8 +78,15 @@ def pack_step(batch: PackedBatch, full_logits: bool = False) -> tuple[torch.Tens
         parts.append(batch.cache_slots)  # type: ignore[arg-type]
     if access is Access.READ:
         parts.append(torch.tensor(batch.cache_reads).reshape(-1))
+    segments = sum(len(row) for row in batch.cache_shared or ())
+    if segments:  # per row its count of shared segments, then all of them
+        shared = batch.cache_shared or ()
+        parts.append(torch.tensor([len(row) for row in shared]))
+        parts.append(torch.tensor([x for row in shared for seg in row for x in seg]))
     body = torch.cat([p.reshape(-1).to(device="cpu", dtype=torch.int64) for p in parts])
-    head = header(PlanOp.STEP, rows, tokens, index.shape[1], int(access), int(full_logits))
+    head = header(
+        PlanOp.STEP, rows, tokens, index.shape[1], int(access), int(full_logits), segments
+    )
     return head, body
 
 
@@ -94,7 +103,11 @@ def body_length(head: torch.Tensor) -> int:
     if op is not PlanOp.STEP:
         return 0
     rows, tokens, width, access = (int(x) for x in head[1:5])
-    return 2 * tokens + rows + rows * width + tokens * (access > 0) + 2 * rows * (access == 2)
+    segments = int(head[6])
+    shared = rows + 2 * segments if segments else 0
+    return (
+        2 * tokens + rows + rows * width + tokens * (access > 0) + 2 * rows * (access == 2) + shared
+    )
 
 
 def unpack(head: torch.Tensor, body: torch.Tensor, device: torch.device) -> PlanMessage:
@@ -107,18 +120,26 @@ def unpack(head: torch.Tensor, body: torch.Tensor, device: torch.device) -> Plan
         return PlanMessage(op, moves=tuple(Move(*t) for t in triples))
     if op is PlanOp.STOP:
         return PlanMessage(op)
-    rows, tokens, width, access, full_logits = (int(x) for x in head[1:6])
+    rows, tokens, width, access, full_logits, segments = (int(x) for x in head[1:7])
     lengths = body[2 * tokens : 2 * tokens + rows].tolist()
-    reads = None
+    reads = shared = None
+    reads_at = 2 * tokens + rows + rows * width + tokens * (access > 0)
     if access == Access.READ:
-        flat = body[-2 * rows :].tolist()
+        flat = body[reads_at : reads_at + 2 * rows].tolist()
         reads = tuple(zip(flat[::2], flat[1::2], strict=True))
+    if segments:
+        at = reads_at + 2 * rows
+        counts = body[at : at + rows].tolist()
+        flat = body[at + rows : at + rows + 2 * segments].tolist()
+        pairs = list(zip(flat[::2], flat[1::2], strict=True))
+        ends = list(itertools.accumulate(counts))
+        shared = tuple(tuple(pairs[end - n : end]) for n, end in zip(counts, ends, strict=True))
     body = body.to(device)
     at = 2 * tokens + rows
     index = body[at : at + rows * width].view(rows, width)
     at += rows * width
     slots = body[at : at + tokens] if access > 0 else None
     batch = PackedBatch(
-        body[:tokens], body[tokens : 2 * tokens], tuple(lengths), index, slots, reads
+        body[:tokens], body[tokens : 2 * tokens], tuple(lengths), index, slots, reads, shared
     )
     return PlanMessage(op, batch, full_logits=bool(full_logits))
