@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Sequence
 from dilaserve.models import text_decoder
 from dilaserve.predictor.serving import predictor_for
 from dilaserve.protocol import (
+    CacheMode,
     RequestState,
     Shutdown,
     StepCommand,
@@ -63,6 +64,7 @@ from .errors import (
 )
 from .instances import InflightStep, InstanceRecord, StepTimes
 from .launcher import Launcher, LocalLauncher, WorkerHandle, WorkerSpec
+from .prefix_index import PrefixIndex
 from .profiles import load_or_measure_profile
 from .quality import default_slo_thresholds, quality_floor
 from .rates import MIN_STEPS, OnlineRates
@@ -117,6 +119,7 @@ class Engine:
         #: Launches a reconfiguration still has to make: while any are pending, requests
         #: wait for them instead of failing when no instance is left.
         self.launches_pending = 0
+        self.prefixes: PrefixIndex | None = None
 
     # -- life cycle ------------------------------------------------------------------------
 
@@ -160,6 +163,11 @@ class Engine:
                 predictor_rates=None if served.model else c.predictor_rates,
                 predictor_model=None if served.model is None else str(served.model),
             ),
+        )
+        #: Under the exact block cache with prefix sharing: which prompt blocks each
+        #: instance is expected to hold, so placement counts a stored system prompt.
+        self.prefixes = (
+            PrefixIndex(c.block_length) if c.cache is CacheMode.BLOCK and c.prefix_caching else None
         )
         self.reconfigurer = Reconfigurer(self)
         await self.launcher.start(self.reconfigurer.on_nodes_changed)
@@ -305,6 +313,9 @@ class Engine:
             raise OverloadedError(str(exc)) from exc
         except SchedulerError as exc:
             raise BadRequestError(str(exc), index) from exc
+        hit = None if self.prefixes is None else self.prefixes.longest(state.prompt_ids)
+        if hit is not None:
+            self.scheduler.expect_prefix(state.request_id, *hit)
         req = TrackedRequest(state=state, arrival=now, slo_s=slo)
         self._requests[req.id] = req
         self.reconfigurer.record(now, state.prompt_length, state.output_length)
@@ -549,6 +560,8 @@ class Engine:
         if inst.registered:
             self.scheduler.remove_instance(inst.id)
             inst.registered = False
+        if self.prefixes is not None:
+            self.prefixes.remove_instance(inst.id)
         inst.inflight = inst.ahead = None
 
     def _retire(self, inst: InstanceRecord) -> None:
@@ -612,6 +625,8 @@ class Engine:
             max_requests=ready.max_requests,
         )
         inst.registered = True
+        if self.prefixes is not None and ready.kv_tokens is not None:
+            self.prefixes.add_instance(inst.id, ready.kv_tokens)
         if inst.stopping:
             self.scheduler.drain_instance(inst.id)
         if not inst.started.done():
@@ -707,6 +722,9 @@ class Engine:
             [self._requests[r].resumable(self.scheduler.token_state(r)) for r in batch.new_here],
             batch.release,
         )
+        if self.prefixes is not None:
+            for rid in batch.new_here:
+                self.prefixes.record(inst.id, self._requests[rid].state.prompt_ids)
         sent = self.now()
         step = InflightStep(command.step, sent, batch.predicted_s)
         if inst.inflight is None:

@@ -430,6 +430,12 @@ impl PyScheduler {
         Ok(self.inner.abort_step(instance.0)?.to_vec())
     }
 
+    /// Instance `instance` is expected to hold request `id`'s first `tokens` prompt tokens
+    /// (prefix sharing); see `Scheduler::expect_prefix`.
+    fn expect_prefix(&mut self, id: Id, instance: Id, tokens: u32) -> PyResult<()> {
+        Ok(self.inner.expect_prefix(id.0, instance.0, tokens)?)
+    }
+
     fn cancel(&mut self, id: Id) -> PyResult<()> {
         self.inner.cancel(id.0)?;
         self.tokens.remove(id.0);

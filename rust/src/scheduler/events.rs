@@ -163,6 +163,30 @@ impl Scheduler {
         (estimate > slo_s).then_some(estimate)
     }
 
+    /// *(ours)* Prefix sharing: instance `instance` is expected to hold the exact K/V of the
+    /// first `tokens` prompt tokens of request `id` (whole blocks another request stored
+    /// there), so its first step there feeds only what follows them; placement weighs that
+    /// instance at the shorter step. Only before its first dispatch, under the exact cache.
+    pub fn expect_prefix(&mut self, id: u64, instance: u64, tokens: u32) -> Result<(), SchedError> {
+        let pos = self.requests.pos_of(id)?;
+        self.instances.slot_of(instance)?;
+        let r = self.requests.req_mut(pos);
+        let invalid = |reason: String| SchedError::InvalidRequest { id, reason };
+        if !r.exact {
+            return Err(invalid("only the exact block cache shares prefixes".into()));
+        }
+        if tokens > r.prompt_len || tokens % r.block_length != 0 {
+            return Err(invalid(format!(
+                "a stored prefix of {tokens} tokens is not whole blocks of its {}-token prompt",
+                r.prompt_len
+            )));
+        }
+        if r.last_instance.is_none() {
+            r.cached_prefix = Some((instance, tokens));
+        }
+        Ok(())
+    }
+
     /// Takes a request out of the scheduler. If it is in flight, its instance's report may
     /// still name it; that result is ignored, even if a new request reuses the id meanwhile.
     pub fn cancel(&mut self, id: u64) -> Result<(), SchedError> {

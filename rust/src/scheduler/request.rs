@@ -99,6 +99,11 @@ pub(crate) struct Request {
     /// ([`super::SchedulerConfig::exact_cache`]): a recompute step rebuilds the prefix
     /// only up to the end of the current block.
     pub exact: bool,
+    /// *(ours)* Prefix sharing: `(instance id, tokens)` — the leading prompt tokens whose
+    /// exact K/V that instance is expected to hold already, so that the request's first
+    /// step there feeds only what follows them
+    /// ([`super::Scheduler::expect_prefix`]).
+    pub cached_prefix: Option<(u64, u32)>,
 }
 
 impl Request {
@@ -122,8 +127,17 @@ impl Request {
         match self.next_kind {
             StepKind::Cache if self.opens_exact_block() => self.full_step_tokens(),
             StepKind::Cache => u64::from(self.block_length),
-            StepKind::Recompute => self.move_tokens(),
+            StepKind::Recompute => self.move_tokens() - self.cached_on(self.last_instance),
             StepKind::NoCache => self.seq_tokens(),
+        }
+    }
+
+    /// *(ours)* Prompt tokens the first step would not feed on instance `instance` (its
+    /// stored prefix, [`Request::cached_prefix`]); 0 elsewhere or after the first step.
+    pub fn cached_on(&self, instance: Option<u64>) -> u64 {
+        match (self.cached_prefix, instance) {
+            (Some((id, tokens)), Some(at)) if id == at && self.steps_done == 0 => u64::from(tokens),
+            _ => 0,
         }
     }
 
@@ -286,6 +300,7 @@ impl Request {
             ahead_tau: None,
             alive: true,
             exact: config.caching && config.exact_cache,
+            cached_prefix: None,
         };
         let tokens = request.seq_tokens();
         if tokens > config.max_batch_tokens {
@@ -391,6 +406,26 @@ mod tests {
         assert_eq!((r.step_tokens(), r.move_tokens()), (64, 1064));
         r.block_steps = 1;
         assert!(!r.needs_recompute() && r.step_tokens() == 32);
+    }
+
+    #[test]
+    fn a_stored_prefix_shortens_the_first_step_only_on_the_instance_holding_it() {
+        let exact = SchedulerConfig {
+            exact_cache: true,
+            ..config()
+        };
+        let spec = RequestSpec::new(1, 0.0, 10.0, 1000, 64);
+        let (mut r, _) = Request::from_spec(&spec, &exact, 0).unwrap();
+        r.cached_prefix = Some((7, 960));
+        assert_eq!(r.cached_on(Some(7)), 960);
+        assert_eq!((r.cached_on(Some(3)), r.cached_on(None)), (0, 0));
+        r.last_instance = Some(7);
+        assert_eq!(r.step_tokens(), 1032 - 960);
+        r.last_instance = Some(3);
+        assert_eq!(r.step_tokens(), 1032);
+        r.last_instance = Some(7);
+        r.steps_done = 1; // a later recompute there rebuilds it all
+        assert_eq!(r.step_tokens(), 1032);
     }
 
     #[test]

@@ -353,6 +353,21 @@ impl Scheduler {
                     }
                 }
             }
+            // Prefix sharing: where its prompt's leading blocks are stored, its first step
+            // feeds only what follows them, so that instance competes at its shorter step.
+            let cached = r
+                .cached_prefix
+                .filter(|_| r.home.is_none())
+                .and_then(|(id, _)| instances.slot_of(id).ok())
+                .map(|slot| (slot, r.cached_on(Some(instances.slots[slot as usize].id))));
+            if let Some((cs, hit)) = cached.filter(|&(_, hit)| hit > 0) {
+                let inst = &instances.slots[cs as usize];
+                if let Some(key) = placement.free_key(cs, inst, n - hit, seq, &groups[inst.group]) {
+                    if Placement::better(key, cs, best) {
+                        best = Some(Candidate { slot: cs, key });
+                    }
+                }
+            }
             let target = match r.home {
                 Some(h) if best.is_some_and(|b| b.slot == h) => Some(h),
                 Some(h) => {
@@ -416,7 +431,11 @@ impl Scheduler {
                 continue;
             };
             let new_resident = r.home != Some(target);
-            let n = if new_resident { n } else { n_home };
+            let n = match cached {
+                _ if !new_resident => n_home,
+                Some((cs, hit)) if cs == target => n - hit,
+                _ => n,
+            };
             if !placement.open[target as usize] {
                 let inst = &instances.slots[target as usize];
                 placement.add_free(target, inst, n, new_resident.then_some(seq));

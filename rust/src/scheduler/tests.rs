@@ -565,3 +565,46 @@ fn under_the_exact_cache_a_block_moves_only_where_its_prefill_pays() {
     let d = exact_block_opening_round(Policy::llumnix_like(0.9), 32, 16);
     assert!(d.migrations.is_empty(), "{:?}", d.migrations);
 }
+
+#[test]
+fn a_stored_prefix_draws_a_request_to_the_instance_holding_it_at_its_shorter_step() {
+    let config = SchedulerConfig {
+        exact_cache: true,
+        ..Default::default()
+    };
+    let mut s = Scheduler::new(profile(), config).unwrap();
+    s.add_instance(instance(2, 1)).unwrap();
+    for id in 0..8 {
+        s.arrive(RequestSpec::new(id, 0.0, 100.0, 32, 128)).unwrap();
+    }
+    let first = batch_of(&s.schedule(0.0).unwrap().clone(), 2);
+    assert_eq!(first.len(), 8, "instance 2 is busy");
+    s.add_instance(instance(1, 1)).unwrap();
+    // Two requests with the same 4,000-token prompt; instance 2 holds its first 3,968.
+    for id in [100, 101] {
+        s.arrive(RequestSpec::new(id, 0.001, 100.0, 4000, 128))
+            .unwrap();
+    }
+    let invalid = s.expect_prefix(100, 2, 3970);
+    assert!(
+        matches!(invalid, Err(SchedError::InvalidRequest { .. })),
+        "not whole blocks"
+    );
+    s.expect_prefix(100, 2, 3968).unwrap();
+    let d = s.schedule(0.001).unwrap().clone();
+    // The one without a stored prefix prefills on the idle instance.
+    let idle = batch_of(&d, 1);
+    assert!(
+        idle.iter().any(|e| e.request == 101 && e.tokens == 4032),
+        "{idle:?}"
+    );
+    // The other waits for the busy one, where its first step feeds 64 tokens, not 4,032.
+    assert!(!idle.iter().any(|e| e.request == 100), "{idle:?}");
+    s.step_done(2, 0.05, &results(&first, 32)).unwrap();
+    let d = s.schedule(0.05).unwrap().clone();
+    let busy = batch_of(&d, 2);
+    assert!(
+        busy.iter().any(|e| e.request == 100 && e.tokens == 64),
+        "{busy:?}"
+    );
+}

@@ -1,0 +1,69 @@
+"""The engine's view of each instance's prefix store (prefix sharing under the exact block
+cache), so that a request's predicted cost counts the prompt blocks an instance already
+holds: the scheduler weighs that instance at the shorter first step
+(`Scheduler.expect_prefix`), and a request goes where its system prompt is, not to an
+instance that would prefill it again.
+
+A worker keeps the prompt blocks of the requests it prefilled (`worker.prefix_cache`). The
+engine records the same chain of blocks for each instance it sends a request to, and keeps
+the most recently used, at most as many blocks as the instance's KV pool holds. That is an
+estimate, as SGLang's cache-aware router keeps of its workers' radix trees: a worker's
+store lives in its pool's free rows and gives them up to requests, so a predicted hit may
+be gone — the request then prefills in full, as it would have anyway.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+class PrefixIndex:
+    """Per instance, the keys of the prompt blocks (of `block` tokens) it is expected to
+    hold. A block's key covers its tokens and every block before it."""
+
+    def __init__(self, block: int) -> None:
+        if block <= 0:
+            raise ValueError(f"prefix blocks need a positive length, got {block}")
+        self.block = block
+        self._stores: dict[int, OrderedDict[int, None]] = {}  # oldest use first
+        self._capacity: dict[int, int] = {}
+
+    def _chain(self, prompt: Sequence[int]) -> list[int]:
+        keys, key = [], 0
+        for start in range(0, len(prompt) - len(prompt) % self.block, self.block):
+            key = hash((key, tuple(prompt[start : start + self.block])))
+            keys.append(key)
+        return keys
+
+    def add_instance(self, instance: int, kv_tokens: int) -> None:
+        self._stores[instance] = OrderedDict()
+        self._capacity[instance] = kv_tokens // self.block
+
+    def remove_instance(self, instance: int) -> None:
+        self._stores.pop(instance, None)
+        self._capacity.pop(instance, None)
+
+    def record(self, instance: int, prompt: Sequence[int]) -> None:
+        """`instance` prefills `prompt` (a request sent there): it will hold its blocks."""
+        store = self._stores.get(instance)
+        if store is None:
+            return
+        for key in reversed(self._chain(prompt)):  # the root used last: evicted last
+            store[key] = None
+            store.move_to_end(key)
+        while len(store) > self._capacity[instance]:
+            store.popitem(last=False)
+
+    def longest(self, prompt: Sequence[int]) -> tuple[int, int] | None:
+        """(instance, tokens) of the instance expected to hold the longest run of
+        `prompt`'s leading blocks; None if none holds its first."""
+        chain = self._chain(prompt)
+        best: tuple[int, int] | None = None
+        for instance, store in self._stores.items():
+            held = 0
+            while held < len(chain) and chain[held] in store:
+                held += 1
+            if held and (best is None or held * self.block > best[1]):
+                best = (instance, held * self.block)
+        return best

@@ -1,0 +1,53 @@
+"""Prefix sharing in the engine: it knows which prompt blocks each instance holds and tells
+the scheduler, so a request's first step is priced (and placed) at what it will feed."""
+
+from __future__ import annotations
+
+from dilaserve.engine import GenerationParams
+from dilaserve.engine.prefix_index import PrefixIndex
+from dilaserve.protocol import CacheMode
+from dilaserve.tiny import MOE_MODEL_NAME
+
+
+def test_the_index_finds_the_instance_holding_the_longest_run_of_leading_blocks():
+    index = PrefixIndex(2)
+    index.add_instance(1, kv_tokens=100)
+    index.add_instance(2, kv_tokens=6)  # three blocks
+    index.record(1, [1, 1, 2, 2, 9])
+    index.record(2, [1, 1, 2, 2, 3, 3])
+    assert index.longest([1, 1, 2, 2, 3, 3, 4]) == (2, 6)
+    assert index.longest([1, 1, 2, 2, 5, 5]) in ((1, 4), (2, 4))
+    assert index.longest([2, 2, 1, 1]) is None  # a block's key is all before it too
+    # Instance 2 holds three blocks: the root of a new prompt stays, its tail goes first.
+    index.record(2, [7, 7, 8, 8])
+    assert index.longest([1, 1, 2, 2, 3, 3]) == (1, 4)
+    assert index.longest([7, 7, 8, 8]) == (2, 4)
+    index.remove_instance(2)
+    assert index.longest([7, 7, 8, 8]) is None
+    index.record(2, [7, 7])  # an instance it does not know: nothing
+    assert index.longest([7, 7]) is None
+
+
+def test_a_request_behind_a_stored_system_prompt_is_expected_where_it_is_stored(make_engine):
+    """The engine records the blocks of each prompt it sends to an instance and announces a
+    later request's stored prefix to the scheduler before it is placed."""
+    harness = make_engine(model=MOE_MODEL_NAME, cache=CacheMode.BLOCK, instances=(1, 1))
+    engine = harness.engine
+    system = "sumsoffivedigits:"  # two whole blocks of 8, with or without a first token
+    params = GenerationParams(max_tokens=8, threshold=0.9)
+    first = harness.run(engine.complete(system + "12345+67890=", params))
+    (home,) = first.stats.instances
+    expected: list[tuple[int, int, int]] = []
+    scheduler = engine.scheduler
+
+    def spy(request_id: int, instance_id: int, tokens: int) -> None:
+        expected.append((request_id, instance_id, tokens))
+        original(request_id, instance_id, tokens)
+
+    original = scheduler.expect_prefix
+    with harness.patched(scheduler, "expect_prefix", spy):
+        second = harness.run(engine.complete(system + "31415+42653=", params))
+    # Where it runs is the scheduler's choice (each instance's measured speed counts too:
+    # `a_stored_prefix_draws_a_request_to_the_instance_holding_it_at_its_shorter_step`).
+    assert len(expected) == 1 and expected[0][1:] == (home, 16)
+    assert second.stats.steps >= 1
