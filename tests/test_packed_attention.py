@@ -57,32 +57,34 @@ def test_pool_reads_attend_over_each_rows_extent(lengths, reads, kv_heads):
         at += n
 
 
+@pytest.mark.parametrize("queries", [4, 70])  # read in place; a prefill's, gathered
 @pytest.mark.parametrize("kv_heads", [4, 2])
-def test_rows_read_their_shared_prefix_segments_then_their_extent(kv_heads):
-    """Prefix sharing: a row's keys are its shared segments, then its extent, read in place
-    (masked block-causally or not); a row that shares nothing reads its extent alone."""
+def test_rows_read_their_shared_prefix_segments_then_their_extent(kv_heads, queries):
+    """Prefix sharing: a row's keys are its shared segments, then its extent (masked
+    block-causally or not); a row that shares nothing reads its extent alone."""
     g = torch.Generator().manual_seed(2)
-    lengths, reads = (4, 4), ((30, 6), (10, 10))
+    lengths, reads = (queries, 4), ((30, 6), (10, 10))
     shared = (((0, 8), (20, 4)), ())
-    q = torch.randn(8, 4, 8, generator=g)
+    q = torch.randn(queries + 4, 4, 8, generator=g)
     pool = tuple(torch.randn(40, kv_heads, 8, generator=g) for _ in range(2))
-    unused = torch.empty(8, kv_heads, 8)
-    mask = torch.rand(4, 18, generator=g) < 0.7
+    unused = torch.empty(queries + 4, kv_heads, 8)
+    mask = torch.rand(queries, 18, generator=g) < 0.7
     mask[:, 0] = True  # every query sees something
     for masks in (None, [mask, torch.ones(4, 10, dtype=torch.bool)]):
         out = attend(q, unused, unused, lengths, pool, reads, masks=masks, shared=shared)
         rows = torch.cat([torch.arange(0, 8), torch.arange(20, 24), torch.arange(30, 36)])
         k, v = pool[0][rows], pool[1][rows]
         if masks is None:
-            want = _direct(q[:4], k, v)
+            want = _direct(q[:queries], k, v)
         else:
             groups = 4 // kv_heads
             kk, vv = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-            scores = torch.einsum("nhd,lhd->hnl", q[:4], kk) / 8**0.5
+            scores = torch.einsum("nhd,lhd->hnl", q[:queries], kk) / 8**0.5
             scores = scores.masked_fill(~mask, float("-inf"))
             want = torch.einsum("hnl,lhd->nhd", F.softmax(scores, dim=-1), vv)
-        torch.testing.assert_close(out[:4], want)
-        torch.testing.assert_close(out[4:], _direct(q[4:], pool[0][10:20], pool[1][10:20]))
+        torch.testing.assert_close(out[:queries], want)
+        last = _direct(q[queries:], pool[0][10:20], pool[1][10:20])
+        torch.testing.assert_close(out[queries:], last)
 
 
 def test_packed_batch_rejects_inconsistent_rows():

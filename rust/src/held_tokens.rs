@@ -173,8 +173,8 @@ impl HeldTokens {
     }
 
     /// Under the exact cache: the first `len` positions of a resident request (whole
-    /// blocks of its prompt) already hold final K/V on this instance — copied from a prefix
-    /// another request computed — so its steps, its first one too, feed from there.
+    /// blocks of its prompt) already hold final K/V on this instance — stored blocks of a
+    /// prefix another request computed — so its steps, its first one too, feed from there.
     pub fn seed_exact(&mut self, id: u64, len: usize) -> Result<(), String> {
         if !self.exact {
             return Err("only the exact block cache keeps a prefix's K/V".into());
@@ -250,7 +250,9 @@ impl HeldTokens {
 
     /// The packed model call of a step of `ids` with step kinds `kinds`. `shift` is 1 for
     /// a model whose logits are shifted (Dream: a cache step also feeds the position
-    /// before its block); `bases` are the rows' first pool rows, if the step writes a pool.
+    /// before its block); `bases` are the pool rows of the rows' position 0, if the step
+    /// writes a pool (a row whose leading positions are read shared has its extent start
+    /// after them: its base lies before its extent, possibly below 0).
     pub fn pack(
         &self,
         ids: &[u64],

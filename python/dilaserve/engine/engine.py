@@ -315,7 +315,10 @@ class Engine:
             raise BadRequestError(str(exc), index) from exc
         hit = None if self.prefixes is None else self.prefixes.longest(state.prompt_ids)
         if hit is not None:
-            self.scheduler.expect_prefix(state.request_id, *hit)
+            try:  # a hint: a request it cannot take is placed as without it
+                self.scheduler.expect_prefix(state.request_id, *hit)
+            except SchedulerError as exc:
+                log.warning("request %d: stored prefix not expected: %s", state.request_id, exc)
         req = TrackedRequest(state=state, arrival=now, slo_s=slo)
         self._requests[req.id] = req
         self.reconfigurer.record(now, state.prompt_length, state.output_length)

@@ -121,12 +121,13 @@ class DiffusionLM(nn.Module):
         keep = batch.logits_index
         masks = masks_keep = None
         if config.block_size:
+            key_counts = batch.key_counts
             masks = block_causal_masks(
-                batch.positions, batch.lengths, batch.key_counts, config.block_size
+                batch.positions, batch.lengths, key_counts, config.block_size
             )
             if keep is not None:
                 masks_keep = block_causal_masks(
-                    batch.positions, batch.lengths, batch.key_counts, config.block_size, keep
+                    batch.positions, batch.lengths, key_counts, config.block_size, keep
                 )
         last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):

@@ -114,13 +114,13 @@ def attend(
     unless `masks` gives each row's `[queries, keys]` boolean mask (`block_causal_masks`).
     Returns `[Tq, heads, dim]`."""
     q_lengths = lengths if q_lengths is None else q_lengths
+    if reads is not None and pool is not None and shared is not None and any(shared):
+        return _attend_segments(q, q_lengths, pool, reads, shared, masks)
     rows = len(lengths)
     stacked = None
     if masks is not None and len({m.shape for m in masks}) == 1:
         stacked = torch.stack(masks)[:, None]
     if reads is not None and pool is not None:
-        if shared is not None and any(shared):
-            return _attend_segments(q, q_lengths, pool, reads, shared, masks)
         batched = _even_extents(q_lengths, reads)
         if batched is not None and (masks is None or stacked is not None):
             keys, values = (_strided_rows(t, *batched) for t in pool)
@@ -160,21 +160,30 @@ def _attend_segments(
     shared: tuple[Segments, ...],
     masks: list[torch.Tensor] | None,
 ) -> torch.Tensor:
-    """Per row, attention over its shared prefix segments and then its extent, read in
-    place: a row that shares nothing runs SDPA on its extent's view; one that does, the
-    scores of every segment under one softmax (`_sdpa_segments`), with no gather."""
+    """Per row, attention over its shared prefix segments and then its extent. A row that
+    shares nothing runs SDPA on its extent's view. One that does reads the segments in place
+    (`_sdpa_segments`) when its queries are few (a block) and the pool is fp32; otherwise
+    (a prefill's many queries, whose scores would be large; bf16/fp16, where SDPA keeps the
+    scores in fp32 and a row's numerics stay those of an unshared row) its keys and values
+    are gathered once per layer and go to SDPA."""
     out = []
     for i, (qi, (b, n), segments) in enumerate(zip(q.split(q_lengths), reads, shared, strict=True)):
-        mask = None if masks is None else masks[i]
+        row_mask = None if masks is None else masks[i]
         parts = [*segments, (b, n)]
         keys = [pool[0][s : s + m] for s, m in parts]
         values = [pool[1][s : s + m] for s, m in parts]
-        if len(parts) == 1:
-            row_mask = None if mask is None else mask[None, None]
-            out.append(_sdpa(qi[None], keys[0][None], values[0][None], row_mask)[0])
-        else:
-            out.append(_sdpa_segments(qi, keys, values, mask))
+        if len(parts) > 1 and qi.shape[0] <= SEGMENT_QUERIES and qi.dtype == torch.float32:
+            out.append(_sdpa_segments(qi, keys, values, row_mask))
+            continue
+        k, v = (torch.cat(t) if len(t) > 1 else t[0] for t in (keys, values))
+        mask = None if row_mask is None else row_mask[None, None]
+        out.append(_sdpa(qi[None], k[None], v[None], mask)[0])
     return torch.cat(out)
+
+
+#: Most queries a row reads shared segments in place with (`_sdpa_segments` holds its
+#: `[heads, queries, keys]` scores): a block's steps; a prefill gathers instead.
+SEGMENT_QUERIES = 64
 
 
 def _sdpa_segments(
@@ -183,7 +192,8 @@ def _sdpa_segments(
     """Attention of one row's queries `q` `[n, heads, dim]` over keys and values held in
     several `[m_i, kv_heads, dim]` pool segments, without copying them together: each
     segment's scores, one softmax over all of them (with `mask` `[n, sum m_i]`), and the sum
-    of each segment's weighted values. Queries are few (a block), so the scores are small."""
+    of each segment's weighted values. Queries are few (`SEGMENT_QUERIES`), so the scores
+    are small."""
     n, heads, dim = q.shape
     kv_heads = keys[0].shape[1]
     grouped = q.view(n, kv_heads, heads // kv_heads, dim).permute(1, 2, 0, 3)  # [kvh, g, n, d]

@@ -211,8 +211,12 @@ class KVCachePool:
         self._free.insert(at, (start, length))
         self._merge(at)
 
+    def __contains__(self, request_id: int) -> bool:
+        return request_id in self._extents
+
     def base(self, request_id: int) -> int:
-        """First pool row of `request_id`'s extent (its position 0)."""
+        """First pool row of `request_id`'s extent (its first position not read from a
+        shared prefix)."""
         try:
             return self._extents[request_id][0]
         except KeyError:

@@ -237,13 +237,15 @@ class StepRunner:
                 shared = self.prefix.acquire(rid, state.prompt_ids)
             if self.pool is not None:
                 self.pool.allocate(rid, state.seq_length - shared)
+            if shared:
+                self._tokens.seed_exact(rid, shared)
         except BaseException:
             self._tokens.remove(rid)
             if self.prefix is not None:
                 self.prefix.release(rid)
+            if self.pool is not None and rid in self.pool:
+                self.pool.free(rid)
             raise
-        if shared:
-            self._tokens.seed_exact(rid, shared)
         reads = state.needs_full_logits or state.steps_per_block is not None
         self._held[rid] = _Held(
             state.copy(), extent=self.pool is not None, reads_counters=reads, shared=shared

@@ -358,11 +358,16 @@ impl Scheduler {
             let cached = r
                 .cached_prefix
                 .filter(|_| r.home.is_none())
-                .and_then(|(id, _)| instances.slot_of(id).ok())
-                .map(|slot| (slot, r.cached_on(Some(instances.slots[slot as usize].id))));
+                .and_then(|(id, _)| Some((instances.slot_of(id).ok()?, r.cached_on(Some(id)))));
             if let Some((cs, hit)) = cached.filter(|&(_, hit)| hit > 0) {
                 let inst = &instances.slots[cs as usize];
-                if let Some(key) = placement.free_key(cs, inst, n - hit, seq, &groups[inst.group]) {
+                let costs = &groups[inst.group];
+                let key = if reserved_slot == Some(cs) {
+                    placement.reserved_key(cs, inst, n - hit, seq, costs)
+                } else {
+                    placement.free_key(cs, inst, n - hit, seq, costs)
+                };
+                if let Some(key) = key {
                     if Placement::better(key, cs, best) {
                         best = Some(Candidate { slot: cs, key });
                     }
