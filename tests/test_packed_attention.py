@@ -57,7 +57,7 @@ def test_pool_reads_attend_over_each_rows_extent(lengths, reads, kv_heads):
         at += n
 
 
-@pytest.mark.parametrize("queries", [4, 70])  # read in place; a prefill's, gathered
+@pytest.mark.parametrize("queries", [4, 70])  # a block's step, a prefill
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_rows_read_their_shared_prefix_segments_then_their_extent(kv_heads, queries):
     """Prefix sharing: a row's keys are its shared segments, then its extent (masked

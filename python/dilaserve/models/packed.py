@@ -160,53 +160,21 @@ def _attend_segments(
     shared: tuple[Segments, ...],
     masks: list[torch.Tensor] | None,
 ) -> torch.Tensor:
-    """Per row, attention over its shared prefix segments and then its extent. A row that
-    shares nothing runs SDPA on its extent's view. One that does reads the segments in place
-    (`_sdpa_segments`) when its queries are few (a block) and the pool is fp32; otherwise
-    (a prefill's many queries, whose scores would be large; bf16/fp16, where SDPA keeps the
-    scores in fp32 and a row's numerics stay those of an unshared row) its keys and values
-    are gathered once per layer and go to SDPA."""
+    """Per row, SDPA over its shared prefix segments and then its extent. A row that shares
+    nothing reads its extent's view; one that does gathers its keys and values once per
+    layer (one copy of rows the pool holds once, freed at once). Scoring each segment in
+    place under one softmax, with no copy, ran slower on the CPU (many small calls per row)
+    and would keep bf16 scores where SDPA keeps fp32 ones; a paged attention kernel is what
+    avoids the copy."""
     out = []
     for i, (qi, (b, n), segments) in enumerate(zip(q.split(q_lengths), reads, shared, strict=True)):
-        row_mask = None if masks is None else masks[i]
         parts = [*segments, (b, n)]
-        keys = [pool[0][s : s + m] for s, m in parts]
-        values = [pool[1][s : s + m] for s, m in parts]
-        if len(parts) > 1 and qi.shape[0] <= SEGMENT_QUERIES and qi.dtype == torch.float32:
-            out.append(_sdpa_segments(qi, keys, values, row_mask))
-            continue
-        k, v = (torch.cat(t) if len(t) > 1 else t[0] for t in (keys, values))
-        mask = None if row_mask is None else row_mask[None, None]
+        k, v = (
+            torch.cat([t[s : s + m] for s, m in parts]) if segments else t[b : b + n] for t in pool
+        )
+        mask = None if masks is None else masks[i][None, None]
         out.append(_sdpa(qi[None], k[None], v[None], mask)[0])
     return torch.cat(out)
-
-
-#: Most queries a row reads shared segments in place with (`_sdpa_segments` holds its
-#: `[heads, queries, keys]` scores): a block's steps; a prefill gathers instead.
-SEGMENT_QUERIES = 64
-
-
-def _sdpa_segments(
-    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor | None
-) -> torch.Tensor:
-    """Attention of one row's queries `q` `[n, heads, dim]` over keys and values held in
-    several `[m_i, kv_heads, dim]` pool segments, without copying them together: each
-    segment's scores, one softmax over all of them (with `mask` `[n, sum m_i]`), and the sum
-    of each segment's weighted values. Queries are few (`SEGMENT_QUERIES`), so the scores
-    are small."""
-    n, heads, dim = q.shape
-    kv_heads = keys[0].shape[1]
-    grouped = q.view(n, kv_heads, heads // kv_heads, dim).permute(1, 2, 0, 3)  # [kvh, g, n, d]
-    scores = torch.cat([grouped @ k.permute(1, 2, 0)[:, None] for k in keys], dim=-1)
-    scores = scores.float() * dim**-0.5
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    out = sum(
-        p @ v.permute(1, 0, 2)[:, None]
-        for p, v in zip(probs.split([k.shape[0] for k in keys], dim=-1), values, strict=True)
-    )
-    return out.permute(2, 0, 1, 3).reshape(n, heads, dim)  # type: ignore[union-attr]
 
 
 def block_causal_masks(
