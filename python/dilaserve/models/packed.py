@@ -4,9 +4,10 @@ A step's rows have different lengths (a recompute row feeds its whole sequence, 
 row only its block), so their fed tokens are concatenated into one `[T]` sequence with
 `cu_seqlens` boundaries instead of being padded to the longest: the linear layers see only
 real tokens and no attention mask is needed. Attention runs per row over views — of the
-row's own fed K/V, or of its contiguous extent of the KV pool — so nothing is gathered;
-rows of equal length (and, when reading the pool, evenly spaced extents) share one batched
-SDPA call over a strided view. Grouped-query heads go to SDPA as they are (`enable_gqa`),
+row's own fed K/V, or of its contiguous extent of the KV pool — so nothing is gathered
+(save by a row that reads a shared prefix's stored blocks); rows of equal length (and,
+when reading the pool, evenly spaced extents) share one batched SDPA call over a strided
+view. Grouped-query heads go to SDPA as they are (`enable_gqa`),
 never expanded. On CUDA, FlashAttention's varlen kernel runs the self-attention of packed
 rows when `flash_attn` is installed (the `flash` extra).
 """
