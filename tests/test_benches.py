@@ -24,6 +24,7 @@ LINES = {
         "bd_tokens_identical_batched_vs_alone",
         "prefix_hit_token_share",
         "bd_prefix_saved_prefill_tokens",
+        "bd_prefix_kv_rows_ratio",
         "bd_tokens_identical_prefix_shared_vs_not",
     ],
     "engine.py": ["step_rtt_ms", "migration_ms", "engine_overhead_frac_2inst"],
