@@ -291,7 +291,11 @@ impl HeldTokens {
                 (StepKind::Cache | StepKind::Recompute, CacheWindow::Exact) => {
                     (h.exact_len, h.block_end())
                 }
-                (_, CacheWindow::Exact) => (0, h.block_end()),
+                // Its fed positions would start before a shared prefix's end, whose K/V
+                // lives outside the row's extent.
+                (StepKind::NoCache, CacheWindow::Exact) => {
+                    return Err("the exact block cache runs no no-cache step".into())
+                }
                 _ => (0, seq),
             };
             let offset = out.ids.len() as i64;
