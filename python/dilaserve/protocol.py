@@ -477,6 +477,10 @@ class StepReport:
     errors: list[RequestError] = field(default_factory=list)
     forward_tokens: int = 0  # tokens that went through the model
     seconds: float = 0.0  # the step's compute time on the worker
+    # Prefix sharing: prompt tokens of the requests this command admitted that were looked
+    # up in the instance's prefix store, and those found there (their prefill saved).
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
     # Set when the whole step failed (e.g. out of memory): nothing of it was applied.
     failure: str | None = None
 

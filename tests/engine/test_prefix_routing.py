@@ -1,11 +1,16 @@
 """Prefix sharing in the engine: it knows which prompt blocks each instance holds and tells
-the scheduler, so a request's first step is priced (and placed) at what it will feed."""
+the scheduler, so a request's first step is priced (and placed) at what it will feed; it
+counts the instances' lookups and hits and exports them."""
 
 from __future__ import annotations
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from dilaserve.engine import GenerationParams
 from dilaserve.engine.prefix_index import PrefixIndex
 from dilaserve.protocol import CacheMode
+from dilaserve.server.metrics import Metrics
 from dilaserve.tiny import MOE_MODEL_NAME
 
 
@@ -51,3 +56,23 @@ def test_a_request_behind_a_stored_system_prompt_is_expected_where_it_is_stored(
     # `a_stored_prefix_draws_a_request_to_the_instance_holding_it_at_its_shorter_step`).
     assert len(expected) == 1 and expected[0][1:] == (home, 16)
     assert second.stats.steps >= 1
+
+
+def test_prefix_store_lookups_and_hits_are_counted_and_exported(make_engine):
+    """Each report counts the admitted requests' prompt tokens looked up in the instance's
+    prefix store and found there; the engine sums them and /metrics exports the sums."""
+    harness = make_engine(model=MOE_MODEL_NAME, cache=CacheMode.BLOCK, instances=(1,))
+    engine = harness.engine
+    system = "sumsoffivedigits:"  # two whole blocks of 8 shared
+    params = GenerationParams(max_tokens=8, threshold=0.9)
+    harness.run(engine.complete(system + "12345+67890=", params))
+    assert harness.call(lambda: engine.status().prefix_cache)["hit_tokens"] == 0
+    harness.run(engine.complete(system + "31415+42653=", params))
+    use = harness.call(lambda: engine.status().prefix_cache)
+    assert use["hit_tokens"] == 16 and use["queried_tokens"] >= 2 * 24
+    metrics = Metrics(engine)
+    text = harness.call(lambda: generate_latest(metrics.registry).decode())
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    (hits,) = families["dilaserve:prefix_cache_hits"].samples
+    assert hits.value == 16
+    assert families["dilaserve:prefix_cache_queries"].samples[0].value == use["queried_tokens"]

@@ -62,7 +62,7 @@ from .errors import (
     RequestFailedError,
     UnknownRequestError,
 )
-from .instances import InflightStep, InstanceRecord, StepTimes
+from .instances import InflightStep, InstanceRecord, PrefixCacheUse, StepTimes
 from .launcher import Launcher, LocalLauncher, WorkerHandle, WorkerSpec
 from .prefix_index import PrefixIndex
 from .profiles import load_or_measure_profile
@@ -115,6 +115,7 @@ class Engine:
         self._t0 = time.monotonic()
         self.restarts = 0
         self.step_times = StepTimes()
+        self.prefix_cache = PrefixCacheUse()
         self._rounds = 0
         #: Launches a reconfiguration still has to make: while any are pending, requests
         #: wait for them instead of failing when no instance is left.
@@ -422,6 +423,7 @@ class Engine:
             worker_restarts=self.restarts,
             step_times=dataclasses.asdict(self.step_times),
             tokens_per_step=self.tokens_per_step(),
+            prefix_cache=dataclasses.asdict(self.prefix_cache),
             taken_s=self.now(),
         )
 
@@ -647,6 +649,8 @@ class Engine:
         else:  # the step ahead runs from now: no gap before it
             inst.inflight.sent_at = max(inst.inflight.sent_at, now)
         measured = now - step.sent_at
+        self.prefix_cache.queried_tokens += report.prefix_queried_tokens
+        self.prefix_cache.hit_tokens += report.prefix_hit_tokens
         if report.failure is not None:
             log.error("instance %d: step %d failed: %s", inst.id, step.number, report.failure)
             self._abort(inst)

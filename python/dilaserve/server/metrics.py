@@ -117,3 +117,14 @@ class EngineCollector(Collector):
         yield CounterMetricFamily(
             "dilaserve:worker_restarts", "Worker processes restarted", value=status.worker_restarts
         )
+        prefix = status.prefix_cache
+        yield CounterMetricFamily(
+            "dilaserve:prefix_cache_queries",
+            "Prompt tokens looked up in the instances' prefix stores",
+            value=prefix.get("queried_tokens", 0),
+        )
+        yield CounterMetricFamily(
+            "dilaserve:prefix_cache_hits",
+            "Prompt tokens found in a prefix store (their prefill saved)",
+            value=prefix.get("hit_tokens", 0),
+        )

@@ -78,7 +78,18 @@ class WorkerSettings:
 
 
 def execute(runner: StepRunner, command: StepCommand) -> StepReport:
-    """Applies one command to `runner`; never raises for a bad request or a failed step."""
+    """Applies one command to `runner`; never raises for a bad request or a failed step.
+    The report also counts the admitted requests' prefix-store lookups and hits."""
+    stats = None if runner.prefix is None else runner.prefix.stats
+    before = (0, 0) if stats is None else (stats.looked_up_tokens, stats.hit_tokens)
+    report = _execute(runner, command)
+    if stats is not None:
+        report.prefix_queried_tokens = stats.looked_up_tokens - before[0]
+        report.prefix_hit_tokens = stats.hit_tokens - before[1]
+    return report
+
+
+def _execute(runner: StepRunner, command: StepCommand) -> StepReport:
     errors: list[RequestError] = []
     for rid in command.release:
         if rid in runner:
