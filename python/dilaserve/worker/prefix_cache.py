@@ -10,10 +10,10 @@ room a request needs, since the pool evicts the stored blocks in a request's way
 the free run that evicts fewest) before it refuses or compacts; to store a block where no
 run is free, the store evicts its own least recently used blocks.
 
-A request that hits reads the stored blocks in place (attention over the pool segments, no
-copy) and pins them, so they are held once however many requests read them and are not
-evicted until the last reader leaves (reference counts); its own extent holds only the
-positions after them.
+A request that hits reads the stored blocks where they are (its attention takes their pool
+rows, then its extent's) and pins them, so they are held once however many requests read
+them and are not evicted until the last reader leaves (reference counts); its own extent
+holds only the positions after them.
 """
 
 from __future__ import annotations
