@@ -164,9 +164,9 @@ def _attend_segments(
     """Per row, SDPA over its shared prefix segments and then its extent. A row that shares
     nothing reads its extent's view; one that does gathers its keys and values once per
     layer (one copy of rows the pool holds once, freed at once). Scoring each segment in
-    place under one softmax, with no copy, ran slower on the CPU (many small calls per row)
-    and would keep bf16 scores where SDPA keeps fp32 ones; a paged attention kernel is what
-    avoids the copy."""
+    place under one softmax, with no copy, was no faster on the CPU (many small calls per
+    row) and would keep bf16 scores where SDPA keeps fp32 ones; a paged attention kernel is
+    what avoids the copy."""
     out = []
     for i, (qi, (b, n), segments) in enumerate(zip(q.split(q_lengths), reads, shared, strict=True)):
         parts = [*segments, (b, n)]
