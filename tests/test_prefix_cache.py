@@ -31,6 +31,18 @@ def _read_shared(store: PrefixCache, rid: int) -> list[float]:
     return keys[rows].flatten().tolist()
 
 
+def _one_prompt_stored() -> tuple[KVCachePool, PrefixCache]:
+    """A pool of 12 rows whose store holds the blocks [1, 1] and [2, 2] (keys 1.0-4.0) at
+    rows 4-7, the request that computed them gone."""
+    pool = _pool(12)
+    store = PrefixCache(pool, BLOCK)
+    pool.allocate(1, 4)
+    _write_positions(pool, 1, [1.0, 2.0, 3.0, 4.0])
+    store.store(1, [1, 1, 2, 2], pool.base(1))
+    pool.free(1)
+    return pool, store
+
+
 def test_a_hit_reads_the_longest_run_of_stored_leading_blocks_in_place():
     pool = _pool(32)
     store = PrefixCache(pool, BLOCK)
@@ -50,12 +62,7 @@ def test_a_hit_reads_the_longest_run_of_stored_leading_blocks_in_place():
 
 
 def test_shared_blocks_are_held_once_and_evicted_only_after_their_last_reader():
-    pool = _pool(12)
-    store = PrefixCache(pool, BLOCK)
-    pool.allocate(1, 4)
-    _write_positions(pool, 1, [1.0, 2.0, 3.0, 4.0])
-    store.store(1, [1, 1, 2, 2], pool.base(1))  # rows 4-7
-    pool.free(1)
+    pool, store = _one_prompt_stored()
     # Three readers of the same two blocks: four rows held in all, not twelve.
     for rid in (2, 3, 4):
         assert store.acquire(rid, [1, 1, 2, 2, 5, 5]) == 4
@@ -79,12 +86,7 @@ def test_shared_blocks_are_held_once_and_evicted_only_after_their_last_reader():
 
 
 def test_stored_blocks_give_way_to_a_request_without_compacting_the_pool():
-    pool = _pool(12)
-    store = PrefixCache(pool, BLOCK)
-    pool.allocate(1, 4)
-    _write_positions(pool, 1, [1.0, 2.0, 3.0, 4.0])
-    store.store(1, [1, 1, 2, 2], pool.base(1))  # rows 4-7
-    pool.free(1)
+    pool, store = _one_prompt_stored()
     pool.allocate(2, 4)
     _write_positions(pool, 2, [5.0, 6.0, 7.0, 8.0])
     store.store(2, [3, 3, 4, 4], pool.base(2))  # rows 8-11

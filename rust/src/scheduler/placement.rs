@@ -286,34 +286,23 @@ impl Placement {
         best.map(|(key, slot)| Candidate { slot, key })
     }
 
-    /// Key of the reserved instance `slot` for its reserver, if the request fits there.
-    pub fn reserved_key(
+    /// Key of instance `slot` for a new resident whose step there feeds `n` tokens (for a
+    /// reserved `slot`, only its `reserver`), if the request fits there.
+    pub fn key_at(
         &self,
         slot: u32,
         inst: &Instance,
-        n: u64,
-        seq: u64,
+        (n, seq): (u64, u64),
         costs: &DegreeCosts,
+        reserver: bool,
     ) -> Option<f64> {
-        self.fitting_key(&self.open_leaf(slot, inst), n, seq, costs)
-    }
-
-    /// Key of instance `slot` for a new resident whose step there feeds `n` tokens (not
-    /// the `n` every other instance is searched with), if it fits and is not reserved.
-    pub fn free_key(
-        &self,
-        slot: u32,
-        inst: &Instance,
-        n: u64,
-        seq: u64,
-        costs: &DegreeCosts,
-    ) -> Option<f64> {
-        self.fitting_key(&self.leaf(slot, inst), n, seq, costs)
-    }
-
-    fn fitting_key(&self, leaf: &Leaf, n: u64, seq: u64, costs: &DegreeCosts) -> Option<f64> {
+        let leaf = if reserver {
+            self.open_leaf(slot, inst)
+        } else {
+            self.leaf(slot, inst)
+        };
         let fits = leaf.batch_room >= n as i64 && leaf.kv_room >= seq as i64 && leaf.req_room >= 1;
-        fits.then(|| self.key_of(leaf, n, seq, costs))
+        fits.then(|| self.key_of(&leaf, n, seq, costs))
     }
 
     fn key_of(&self, leaf: &Leaf, n: u64, seq: u64, costs: &DegreeCosts) -> f64 {

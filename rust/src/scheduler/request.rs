@@ -362,6 +362,13 @@ mod tests {
         SchedulerConfig::default().validated().unwrap()
     }
 
+    fn exact_config() -> SchedulerConfig {
+        SchedulerConfig {
+            exact_cache: true,
+            ..config()
+        }
+    }
+
     #[test]
     fn pads_output_and_maps_thresholds() {
         let mut spec = RequestSpec::new(1, 0.0, 10.0, 7, 33);
@@ -382,20 +389,14 @@ mod tests {
         let spec = RequestSpec::new(1, 0.0, 10.0, 7, 64);
         let (r, _) = Request::from_spec(&spec, &config(), 0).unwrap();
         assert_eq!(r.full_step_tokens(), 71);
-        let exact = SchedulerConfig {
-            exact_cache: true,
-            ..config()
-        };
+        let exact = exact_config();
         let (r, _) = Request::from_spec(&spec, &exact, 0).unwrap();
         assert_eq!(r.full_step_tokens(), 64, "two blocks of 32");
     }
 
     #[test]
     fn under_the_exact_cache_a_prefill_feeds_its_prefix_and_a_block_opening_is_full() {
-        let exact = SchedulerConfig {
-            exact_cache: true,
-            ..config()
-        };
+        let exact = exact_config();
         let spec = RequestSpec::new(1, 0.0, 10.0, 1000, 64);
         let (mut r, _) = Request::from_spec(&spec, &exact, 0).unwrap();
         // The first step feeds the prompt and the first block.
@@ -410,10 +411,7 @@ mod tests {
 
     #[test]
     fn a_stored_prefix_shortens_the_first_step_only_on_the_instance_holding_it() {
-        let exact = SchedulerConfig {
-            exact_cache: true,
-            ..config()
-        };
+        let exact = exact_config();
         let spec = RequestSpec::new(1, 0.0, 10.0, 1000, 64);
         let (mut r, _) = Request::from_spec(&spec, &exact, 0).unwrap();
         r.cached_prefix = Some((7, 960));

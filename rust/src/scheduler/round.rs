@@ -347,7 +347,7 @@ impl Scheduler {
             let mut best = placement.best(n, seq, groups);
             if let Some(rs) = reserved_slot {
                 let inst = &instances.slots[rs as usize];
-                if let Some(key) = placement.reserved_key(rs, inst, n, seq, &groups[inst.group]) {
+                if let Some(key) = placement.key_at(rs, inst, (n, seq), &groups[inst.group], true) {
                     if Placement::better(key, rs, best) {
                         best = Some(Candidate { slot: rs, key });
                     }
@@ -361,13 +361,9 @@ impl Scheduler {
                 .and_then(|(id, _)| Some((instances.slot_of(id).ok()?, r.cached_on(Some(id)))));
             if let Some((cs, hit)) = cached.filter(|&(_, hit)| hit > 0) {
                 let inst = &instances.slots[cs as usize];
+                let reserver = reserved_slot == Some(cs);
                 let costs = &groups[inst.group];
-                let key = if reserved_slot == Some(cs) {
-                    placement.reserved_key(cs, inst, n - hit, seq, costs)
-                } else {
-                    placement.free_key(cs, inst, n - hit, seq, costs)
-                };
-                if let Some(key) = key {
+                if let Some(key) = placement.key_at(cs, inst, (n - hit, seq), costs, reserver) {
                     if Placement::better(key, cs, best) {
                         best = Some(Candidate { slot: cs, key });
                     }
