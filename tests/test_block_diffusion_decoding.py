@@ -10,8 +10,17 @@ import torch
 
 from dilaserve.models import load_model
 from dilaserve.models.testing import write_tiny_checkpoint
-from dilaserve.protocol import CacheMode, RequestState, StepEntry, StepKind, TokenStateError
+from dilaserve.protocol import (
+    CacheMode,
+    RequestState,
+    StepCommand,
+    StepEntry,
+    StepKind,
+    TokenStateError,
+    prompt_block_keys,
+)
 from dilaserve.worker.generate import generate
+from dilaserve.worker.process import execute
 from dilaserve.worker.runner import StepRunner
 
 BLOCK = 4
@@ -244,3 +253,35 @@ def test_requests_sharing_a_system_prompt_compute_its_blocks_once_and_decode_as_
         prefix_caching=False,
     )
     assert unshared.prefix is None
+
+
+def test_a_step_report_names_the_stored_blocks_each_arrival_reads(model):
+    """So that the scheduler counts a block several residents read once: keys as the
+    engine computes them from the prompt, only for arrivals that read some."""
+    system = [5, 17, 250, 33, 91, 8, 64, 120]  # two blocks of four
+    mask = model.config.mask_token_id
+    r = runner(model)
+
+    def arrival(rid, prompt):
+        return RequestState.new(
+            rid, prompt, GEN, block_length=BLOCK, mask_token_id=mask, aligned=True
+        )
+
+    first = execute(
+        r,
+        StepCommand.of(
+            1, [StepEntry(1, TAU, StepKind.RECOMPUTE)], admit=[arrival(1, system + [1, 2, 3, 4])]
+        ),
+    )
+    assert first.prefix_reads == {} and first.failure is None
+    second_prompt = system + [9, 9, 9, 9]
+    report = execute(
+        r,
+        StepCommand.of(
+            2,
+            [StepEntry(2, TAU, StepKind.RECOMPUTE), StepEntry(3, TAU, StepKind.RECOMPUTE)],
+            admit=[arrival(2, second_prompt), arrival(3, [7, 7, 7, 7])],
+        ),
+    )
+    assert report.failure is None and not report.errors
+    assert report.prefix_reads == {2: prompt_block_keys(second_prompt, BLOCK)[:2]}

@@ -454,6 +454,19 @@ class RequestError:
     message: str
 
 
+def prompt_block_keys(prompt: Sequence[int], block: int) -> list[int]:
+    """Keys of `prompt`'s whole blocks of `block` tokens, each covering its tokens and every
+    block before it (a chain, as vLLM's prefix caching keys blocks), as unsigned 64-bit
+    ints: how a worker names the stored blocks a request reads (`StepReport.prefix_reads`)
+    and how the engine names those it expects an instance to hold. Python hashes integer
+    tuples without a per-process seed, so every process computes the same keys."""
+    keys, key = [], 0
+    for start in range(0, len(prompt) - len(prompt) % block, block):
+        key = hash((key, tuple(prompt[start : start + block]))) & 0xFFFF_FFFF_FFFF_FFFF
+        keys.append(key)
+    return keys
+
+
 @dataclass
 class StepReport:
     """An instance's answer to one `StepCommand`. What the step did to each request is a
@@ -481,6 +494,9 @@ class StepReport:
     # up in the instance's prefix store, and those found there (their prefill saved).
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
+    # ... and, per admitted request that found some, the keys of the stored blocks it reads
+    # (`prompt_block_keys`): the scheduler counts a block read by several requests once.
+    prefix_reads: dict[int, list[int]] = field(default_factory=dict)
     # Set when the whole step failed (e.g. out of memory): nothing of it was applied.
     failure: str | None = None
 

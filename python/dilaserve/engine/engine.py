@@ -405,6 +405,7 @@ class Engine:
                     batch_tokens=info.batch_tokens,
                     residents=info.residents,
                     resident_tokens=info.resident_tokens,
+                    kv_used_tokens=info.kv_used_tokens,
                     steps_run=info.steps_run,
                 )
             instances.append(entry)
@@ -660,6 +661,8 @@ class Engine:
             if req is not None:
                 self._fail(req, RequestFailedError(error.message))
         try:
+            for rid, keys in report.prefix_reads.items():
+                self.scheduler.read_prefix(inst.id, rid, keys)
             outcome = self.scheduler.apply_report(inst.id, measured, report)
         except StepReportError as exc:
             log.error("instance %d: step %d: bad report: %s", inst.id, step.number, exc)

@@ -17,10 +17,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from dilaserve.protocol import prompt_block_keys
+
 
 class PrefixIndex:
     """Per instance, the keys of the prompt blocks (of `block` tokens) it is expected to
-    hold. A block's key covers its tokens and every block before it."""
+    hold (`prompt_block_keys`: a block's key covers its tokens and every block before it)."""
 
     def __init__(self, block: int) -> None:
         if block <= 0:
@@ -28,13 +30,6 @@ class PrefixIndex:
         self.block = block
         self._stores: dict[int, OrderedDict[int, None]] = {}  # oldest use first
         self._capacity: dict[int, int] = {}
-
-    def _chain(self, prompt: Sequence[int]) -> list[int]:
-        keys, key = [], 0
-        for start in range(0, len(prompt) - len(prompt) % self.block, self.block):
-            key = hash((key, tuple(prompt[start : start + self.block])))
-            keys.append(key)
-        return keys
 
     def add_instance(self, instance: int, kv_tokens: int) -> None:
         self._stores[instance] = OrderedDict()
@@ -49,21 +44,22 @@ class PrefixIndex:
         store = self._stores.get(instance)
         if store is None:
             return
-        for key in reversed(self._chain(prompt)):  # the root used last: evicted last
+        # The root used last: evicted last.
+        for key in reversed(prompt_block_keys(prompt, self.block)):
             store[key] = None
             store.move_to_end(key)
         while len(store) > self._capacity[instance]:
             store.popitem(last=False)
 
-    def longest(self, prompt: Sequence[int]) -> tuple[int, int] | None:
-        """(instance, tokens) of the instance expected to hold the longest run of
-        `prompt`'s leading blocks; None if none holds its first."""
-        chain = self._chain(prompt)
-        best: tuple[int, int] | None = None
+    def longest(self, prompt: Sequence[int]) -> tuple[int, list[int]] | None:
+        """The instance expected to hold the longest run of `prompt`'s leading blocks, and
+        their keys; None if none holds its first."""
+        chain = prompt_block_keys(prompt, self.block)
+        best: tuple[int, list[int]] | None = None
         for instance, store in self._stores.items():
             held = 0
             while held < len(chain) and chain[held] in store:
                 held += 1
-            if held and (best is None or held * self.block > best[1]):
-                best = (instance, held * self.block)
+            if held and (best is None or held > len(best[1])):
+                best = (instance, chain[:held])
         return best

@@ -19,10 +19,12 @@ class InstanceStatus:
     #: Known to the scheduler: ready, and not yet removed (serving or draining).
     registered: bool = False
     #: The scheduler's view, while it serves: tokens of the step in flight, resident
-    #: requests and their tokens, steps run.
+    #: requests, their tokens and the KV tokens they hold (a prompt block several of them
+    #: read from the prefix store counted once), steps run.
     batch_tokens: int | None = None
     residents: int | None = None
     resident_tokens: int | None = None
+    kv_used_tokens: int | None = None
     steps_run: int | None = None
 
 

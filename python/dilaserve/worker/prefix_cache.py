@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
+from dilaserve.protocol import prompt_block_keys
 from dilaserve.worker.kv_cache import CacheFullError, KVCachePool, Move
 
 #: A stored block's key: the key id of the block before it (0 for the first) and its tokens.
@@ -46,6 +49,14 @@ class _Entry:
     pool_id: int  # its extent's id in the pool
 
 
+@dataclass
+class _Reads:
+    """The stored blocks one request reads, in prompt order."""
+
+    pool_ids: list[int]
+    keys: list[int]  # as `prompt_block_keys` names them
+
+
 class PrefixCache:
     """Computed prompt blocks of `block` tokens, kept in the free space of `pool`."""
 
@@ -55,7 +66,8 @@ class PrefixCache:
         self._entries: OrderedDict[BlockKey, _Entry] = OrderedDict()  # oldest use first
         self._keys: dict[int, BlockKey] = {}  # pool id -> key
         self._ids = itertools.count(1)
-        self._readers: dict[int, list[int]] = {}  # request id -> pool ids of its shared blocks
+        self._readers: dict[int, _Reads] = {}
+        self._held_back: list[_Reads] | None = None  # releases `hold_releases` defers
         self.stats = PrefixStats()
         pool.on_evict = self._forget
 
@@ -83,7 +95,8 @@ class PrefixCache:
         pool_ids = [self._entries[key].pool_id for key in hits]
         for pool_id in pool_ids:
             self.pool.pin(pool_id)
-        self._readers[request_id] = pool_ids
+        keys = prompt_block_keys(prompt[: len(hits) * self.block], self.block)
+        self._readers[request_id] = _Reads(pool_ids, keys)
         self._touch(hits)
         covered = len(hits) * self.block
         self.stats.hit_tokens += covered
@@ -93,7 +106,8 @@ class PrefixCache:
         """The pool rows of `request_id`'s shared blocks as (first row, length) runs, in
         position order (adjacent blocks joined)."""
         runs: list[tuple[int, int]] = []
-        for pool_id in self._readers.get(request_id, ()):
+        reads = self._readers.get(request_id)
+        for pool_id in reads.pool_ids if reads else ():
             row = self.pool.base(pool_id)
             if runs and runs[-1][0] + runs[-1][1] == row:
                 runs[-1] = (runs[-1][0], runs[-1][1] + self.block)
@@ -101,10 +115,36 @@ class PrefixCache:
                 runs.append((row, self.block))
         return tuple(runs)
 
+    def reads(self, request_id: int) -> list[int]:
+        """Keys of the stored blocks `request_id` reads (`prompt_block_keys`)."""
+        reads = self._readers.get(request_id)
+        return list(reads.keys) if reads else []
+
     def release(self, request_id: int) -> None:
         """`request_id` no longer reads its shared blocks (a no-op if it read none)."""
-        for pool_id in self._readers.pop(request_id, ()):
+        reads = self._readers.pop(request_id, None)
+        if reads is None:
+            return
+        if self._held_back is not None:
+            self._held_back.append(reads)
+            return
+        for pool_id in reads.pool_ids:
             self.pool.unpin(pool_id)
+
+    @contextmanager
+    def hold_releases(self) -> Iterator[None]:
+        """Keeps the blocks of requests released inside pinned until the end: a command
+        releases its leavers before it takes its arrivals in, and an arrival the scheduler
+        admitted counting blocks a leaver read must still find them (unpinned, another
+        arrival's extent could evict them first)."""
+        self._held_back = []
+        try:
+            yield
+        finally:
+            held_back, self._held_back = self._held_back, None
+            for reads in held_back:
+                for pool_id in reads.pool_ids:
+                    self.pool.unpin(pool_id)
 
     def store(self, request_id: int, prompt: list[int], base: int) -> None:
         """Keeps the K/V of `prompt`'s whole blocks, final in `request_id`'s extent (its

@@ -430,10 +430,16 @@ impl PyScheduler {
         Ok(self.inner.abort_step(instance.0)?.to_vec())
     }
 
-    /// Instance `instance` is expected to hold request `id`'s first `tokens` prompt tokens
+    /// Instance `instance` is expected to hold request `id`'s leading prompt blocks `keys`
     /// (prefix sharing); see `Scheduler::expect_prefix`.
-    fn expect_prefix(&mut self, id: Id, instance: Id, tokens: u32) -> PyResult<()> {
-        Ok(self.inner.expect_prefix(id.0, instance.0, tokens)?)
+    fn expect_prefix(&mut self, id: Id, instance: Id, keys: Vec<u64>) -> PyResult<()> {
+        Ok(self.inner.expect_prefix(id.0, instance.0, keys)?)
+    }
+
+    /// Request `id`, resident on `instance`, reads the stored prompt blocks `keys` there
+    /// (prefix sharing); see `Scheduler::read_prefix`.
+    fn read_prefix(&mut self, instance: Id, id: Id, keys: Vec<u64>) -> PyResult<()> {
+        Ok(self.inner.read_prefix(instance.0, id.0, keys)?)
     }
 
     fn cancel(&mut self, id: Id) -> PyResult<()> {
@@ -559,6 +565,7 @@ impl PyScheduler {
         d.set_item("predicted_finish", i.predicted_finish)?;
         d.set_item("residents", i.residents)?;
         d.set_item("resident_tokens", i.resident_tokens)?;
+        d.set_item("kv_used_tokens", i.kv_used_tokens)?;
         d.set_item("factor", i.factor)?;
         d.set_item("steps_run", i.steps_run)?;
         d.set_item("kv_tokens", i.kv_tokens)?;

@@ -5,6 +5,8 @@
 use std::collections::HashMap;
 
 use super::error::SchedError;
+use super::request::Request;
+use super::shared_blocks::SharedBlocks;
 use crate::id_map::IdMap;
 
 /// A serving instance as the cluster manager announces it.
@@ -16,7 +18,8 @@ pub struct InstanceSpec {
     pub gpus: Vec<u32>,
     pub node: u32,
     /// KV token capacity: the sequence tokens (prompt + padded output) of the requests
-    /// resident here may not exceed it. `None`: unbounded.
+    /// resident here, a shared prompt block counted once, may not exceed it. `None`:
+    /// unbounded.
     pub kv_tokens: Option<u64>,
     /// Most requests resident at once. `None`: unbounded.
     pub max_requests: Option<u32>,
@@ -76,6 +79,10 @@ pub(crate) struct Instance {
     /// Requests whose state (and cache) this instance holds, and their sequence tokens.
     pub residents: u32,
     pub resident_tokens: u64,
+    /// *(ours)* KV tokens they hold: `resident_tokens`, a stored prompt block read by
+    /// several of them counted once ([`SharedBlocks`]). What admission checks.
+    pub kv_used: u64,
+    pub shared: SharedBlocks,
     /// Exponential average of measured / predicted step time, relaxed toward its degree
     /// group's while idle (see [`Instance::relax_toward`]).
     pub factor: f64,
@@ -181,10 +188,10 @@ impl Instance {
         self.alive && (!self.busy || (overlap && self.ahead.is_none() && !self.draining))
     }
 
-    /// Whether `residents` more requests holding `seq_tokens` in all fit beside those here.
-    pub fn has_resident_room(&self, residents: u32, seq_tokens: u64) -> bool {
+    /// Whether `residents` more requests holding `kv_tokens` in all fit beside those here.
+    pub fn has_resident_room(&self, residents: u32, kv_tokens: u64) -> bool {
         self.kv_tokens
-            .is_none_or(|kv| self.resident_tokens + seq_tokens <= kv)
+            .is_none_or(|kv| self.kv_used + kv_tokens <= kv)
             && self
                 .max_requests
                 .is_none_or(|m| u64::from(self.residents) + u64::from(residents) <= u64::from(m))
@@ -201,16 +208,37 @@ impl Instance {
         self.kv_tokens.is_some() || self.max_requests.is_some() || self.budget != default_budget
     }
 
-    pub fn add_resident(&mut self, seq_tokens: u64) {
-        self.residents += 1;
-        self.resident_tokens += seq_tokens;
+    /// *(ours)* KV tokens `r` would hold here as a new resident: its sequence, less the
+    /// stored blocks it is expected to read that residents here read already.
+    pub fn kv_charge(&self, r: &Request) -> u64 {
+        r.seq_tokens() - self.shared.held_run(r.id) as u64 * u64::from(r.block_length)
     }
 
-    /// Request `id` no longer lives here; the worker is told with the next batch.
-    pub fn drop_resident(&mut self, id: u64, seq_tokens: u64) {
-        self.released.push(id);
+    /// `r` lives here now, holding [`Self::kv_charge`] tokens.
+    pub fn add_resident(&mut self, r: &Request) {
+        self.kv_used += self.kv_charge(r);
+        self.shared.place(r.id);
+        self.residents += 1;
+        self.resident_tokens += r.seq_tokens();
+    }
+
+    /// `r` no longer lives here; the worker is told with the next batch.
+    pub fn drop_resident(&mut self, r: &Request) {
+        self.released.push(r.id);
         self.residents -= 1;
-        self.resident_tokens -= seq_tokens;
+        self.resident_tokens -= r.seq_tokens();
+        self.kv_used -= r.seq_tokens();
+        self.set_reads(r, Vec::new());
+    }
+
+    /// *(ours)* Resident `r` reads the stored blocks `keys` (as its worker reported).
+    pub fn set_reads(&mut self, r: &Request, keys: Vec<u64>) {
+        let (read, held) = self.shared.set_reads(r.id, keys);
+        let change = (held - read) * i64::from(r.block_length);
+        self.kv_used = self
+            .kv_used
+            .checked_add_signed(change)
+            .expect("KV use below zero");
     }
 }
 
@@ -229,6 +257,14 @@ impl InstanceTable {
             .get(&id)
             .copied()
             .ok_or(SchedError::UnknownInstance(id))
+    }
+
+    /// *(ours)* Forgets `r`'s expected prefix hit ([`SharedBlocks::hint`]): it was placed,
+    /// or left.
+    pub fn drop_hint(&mut self, r: &Request) {
+        if let Some(slot) = r.cached_prefix.and_then(|(id, _)| self.slot_of(id).ok()) {
+            self.slots[slot as usize].shared.drop_hint(r.id);
+        }
     }
 
     /// Checks a spec: unique id, one distinct free GPU per TP rank, non-zero capacities.
@@ -302,6 +338,8 @@ impl InstanceTable {
             predicted_s: 0.0,
             residents: 0,
             resident_tokens: 0,
+            kv_used: 0,
+            shared: SharedBlocks::default(),
             factor: 1.0,
             steps_run: 0,
             last_step_s: 0.0,
@@ -327,6 +365,8 @@ impl InstanceTable {
         inst.clear_steps();
         inst.residents = 0;
         inst.resident_tokens = 0;
+        inst.kv_used = 0;
+        inst.shared.clear();
         self.index.remove(&inst.id);
         for gpu in &inst.gpus {
             self.gpus_held.remove(&(inst.node, *gpu));
@@ -337,6 +377,7 @@ impl InstanceTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::scheduler::{RequestSpec, SchedulerConfig};
 
     fn spec(id: u64, tp: u32, gpus: Vec<u32>) -> InstanceSpec {
         InstanceSpec::new(id, tp, gpus, 0)
@@ -421,11 +462,55 @@ mod tests {
         assert!(a.could_hold(1000, 500) && !a.could_hold(1000, 501));
         assert!(!a.could_hold(1001, 10));
         let a = &mut t.slots[0];
-        a.add_resident(600);
-        a.add_resident(100);
+        a.add_resident(&request(3, 568));
+        a.add_resident(&request(7, 68));
         assert!(!a.has_resident_room(1, 1), "two requests already resident");
-        a.drop_resident(7, 100);
+        a.drop_resident(&request(7, 68));
         assert_eq!(a.released, [7]);
         assert!(a.has_resident_room(1, 400) && !a.has_resident_room(1, 401));
+    }
+
+    /// A request of `prompt` tokens and one 32-token output block.
+    fn request(id: u64, prompt: u32) -> Request {
+        let config = SchedulerConfig::default().validated().unwrap();
+        let spec = RequestSpec::new(id, 0.0, 10.0, prompt, 32);
+        Request::from_spec(&spec, &config, 0).unwrap().0
+    }
+
+    #[test]
+    fn residents_reading_one_stored_prefix_hold_it_once() {
+        let mut t = InstanceTable::default();
+        t.insert(
+            InstanceSpec {
+                kv_tokens: Some(1000),
+                ..spec(1, 1, vec![0])
+            },
+            0,
+            8192,
+        );
+        let a = &mut t.slots[0];
+        let keys: Vec<u64> = (1..=12).collect();
+        let (first, second, third) = (request(1, 416), request(2, 416), request(3, 416));
+        a.add_resident(&first); // it prefills and stores its 12 prompt blocks: 448 held
+        a.add_resident(&second);
+        assert_eq!(a.kv_used, 896);
+        a.set_reads(&second, keys.clone()); // its worker: it read the 12 stored blocks
+        assert_eq!(
+            a.kv_used, 896,
+            "the stored copy it reads takes what its extent gave up"
+        );
+        a.shared.hint(3, keys);
+        assert_eq!(a.kv_charge(&third), 448 - 384);
+        assert!(a.has_resident_room(1, a.kv_charge(&third)));
+        a.add_resident(&third);
+        assert_eq!(a.kv_used, 960);
+        a.drop_resident(&second);
+        assert_eq!(
+            a.kv_used, 896,
+            "the blocks stay held while the third reads them"
+        );
+        a.drop_resident(&third);
+        a.drop_resident(&first);
+        assert_eq!((a.kv_used, a.resident_tokens), (0, 0));
     }
 }

@@ -107,7 +107,7 @@ impl Scheduler {
         for &handle in &handles {
             let pos = self.requests.pos_of_handle(handle);
             let r = *self.requests.req(pos);
-            self.instances.slots[inst_slot as usize].drop_resident(r.id, r.seq_tokens());
+            self.instances.slots[inst_slot as usize].drop_resident(&r);
             self.displace(pos, instance, MigrationReason::StepAborted);
             self.scratch.aborted.push(r.id);
         }

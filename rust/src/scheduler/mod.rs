@@ -35,6 +35,7 @@ mod request;
 mod request_table;
 mod reservation;
 mod round;
+mod shared_blocks;
 mod shedding;
 mod threshold;
 
@@ -124,6 +125,8 @@ pub struct InstanceInfo {
     /// Requests whose state this instance holds.
     pub residents: u32,
     pub resident_tokens: u64,
+    /// *(ours)* KV tokens they hold, a stored prompt block read by several counted once.
+    pub kv_used_tokens: u64,
     /// Measured / predicted step-time correction.
     pub factor: f64,
     pub steps_run: u64,
@@ -315,6 +318,7 @@ impl Scheduler {
             predicted_finish: inst.busy.then(|| inst.predicted_finish()),
             residents: inst.residents,
             resident_tokens: inst.resident_tokens,
+            kv_used_tokens: inst.kv_used,
             factor: inst.factor,
             steps_run: inst.steps_run,
             kv_tokens: inst.kv_tokens,

@@ -404,12 +404,13 @@ impl Harness {
         for id in self.s.instance_ids() {
             let i = self.s.instance(id).unwrap();
             prop_assert!(
-                i.kv_tokens.is_none_or(|kv| i.resident_tokens <= kv),
+                i.kv_tokens.is_none_or(|kv| i.kv_used_tokens <= kv),
                 "instance {} holds {} tokens over its KV capacity {:?}",
                 id,
-                i.resident_tokens,
+                i.kv_used_tokens,
                 i.kv_tokens
             );
+            prop_assert!(i.kv_used_tokens <= i.resident_tokens);
             prop_assert!(i.max_requests.is_none_or(|m| i.residents <= m));
         }
         Ok(())

@@ -347,7 +347,9 @@ impl Scheduler {
             let mut best = placement.best(n, seq, groups);
             if let Some(rs) = reserved_slot {
                 let inst = &instances.slots[rs as usize];
-                if let Some(key) = placement.key_at(rs, inst, (n, seq), &groups[inst.group], true) {
+                if let Some(key) =
+                    placement.key_at(rs, inst, (n, seq, seq), &groups[inst.group], true)
+                {
                     if Placement::better(key, rs, best) {
                         best = Some(Candidate { slot: rs, key });
                     }
@@ -363,7 +365,8 @@ impl Scheduler {
                 let inst = &instances.slots[cs as usize];
                 let reserver = reserved_slot == Some(cs);
                 let costs = &groups[inst.group];
-                if let Some(key) = placement.key_at(cs, inst, (n - hit, seq), costs, reserver) {
+                let kv = inst.kv_charge(&r);
+                if let Some(key) = placement.key_at(cs, inst, (n - hit, seq, kv), costs, reserver) {
                     if Placement::better(key, cs, best) {
                         best = Some(Candidate { slot: cs, key });
                     }
@@ -475,10 +478,11 @@ impl Scheduler {
             }
             if new_resident {
                 if let Some(h) = r.home {
-                    instances.slots[h as usize].drop_resident(r.id, seq);
+                    instances.slots[h as usize].drop_resident(&r);
                     placement.left(h, &instances.slots[h as usize]);
                 }
-                instances.slots[target as usize].add_resident(seq);
+                instances.slots[target as usize].add_resident(&r);
+                instances.drop_hint(&r);
             }
             placement.add_free(target, &instances.slots[target as usize], n, None);
             if let Some(rs) = reserved_slot {

@@ -1,7 +1,7 @@
 //! Scenario tests of per-instance capacity, completion-time instance choice with busy
 //! instances, and reservations against starvation.
 
-use super::tests::{batch_of, instance, profile, results, scheduler};
+use super::tests::{batch_of, block_keys, instance, profile, results, scheduler};
 use super::*;
 use crate::profile::StepKind;
 
@@ -276,4 +276,43 @@ fn reservation_picks_the_instance_that_frees_first() {
     let d = s.schedule(0.02).unwrap();
     assert_eq!(ids(&batch_of(d, short_on)), vec![3, 4]);
     assert_eq!(s.instance(short_on).unwrap().reserved_for, None);
+}
+
+#[test]
+fn requests_reading_one_stored_prefix_are_admitted_counting_it_once() {
+    let config = SchedulerConfig {
+        exact_cache: true,
+        ..Default::default()
+    };
+    let mut s = Scheduler::new(profile(), config).unwrap();
+    s.add_instance(limited(1, Some(1000), None, None)).unwrap();
+    // Three 448-token sequences whose prompts start with the same 12 blocks (384 tokens).
+    for id in [1, 2] {
+        s.arrive(RequestSpec::new(id, 0.0, 100.0, 416, 32)).unwrap();
+    }
+    let first = s.schedule(0.0).unwrap().clone();
+    assert_eq!(ids(&batch_of(&first, 1)), [1, 2]);
+    s.arrive(RequestSpec::new(3, 0.001, 100.0, 416, 32))
+        .unwrap();
+    s.expect_prefix(3, 1, block_keys(12)).unwrap();
+    // Whole sequences: 3 × 448 > 1,000, and no resident reads the stored blocks yet.
+    s.step_done(1, 0.05, &results(&batch_of(&first, 1), 4))
+        .unwrap();
+    let d = s.schedule(0.05).unwrap().clone();
+    assert!(batch_of(&d, 1).iter().all(|e| e.request != 3));
+    assert_eq!(s.instance(1).unwrap().kv_used_tokens, 896);
+    // Request 2's worker reports that it read request 1's stored prompt blocks: they are
+    // held once (its extent is 384 tokens shorter), so request 3, reading them too, needs
+    // only its own 64 tokens.
+    s.read_prefix(1, 2, block_keys(12)).unwrap();
+    assert_eq!(s.instance(1).unwrap().kv_used_tokens, 896);
+    s.step_done(1, 0.1, &results(&batch_of(&d, 1), 4)).unwrap();
+    let d = s.schedule(0.1).unwrap().clone();
+    assert!(batch_of(&d, 1)
+        .iter()
+        .any(|e| e.request == 3 && e.tokens == 64));
+    assert_eq!(s.instance(1).unwrap().kv_used_tokens, 960);
+    // A report for a request that is not resident there changes nothing.
+    s.read_prefix(1, 99, block_keys(12)).unwrap();
+    assert_eq!(s.instance(1).unwrap().kv_used_tokens, 960);
 }
