@@ -454,15 +454,21 @@ class RequestError:
     message: str
 
 
+def block_key(previous: int, tokens: Sequence[int]) -> int:
+    """The key of a prompt block of `tokens` after the block keyed `previous` (0 for the
+    first): see `prompt_block_keys`."""
+    return hash((previous, tuple(tokens))) & 0xFFFF_FFFF_FFFF_FFFF
+
+
 def prompt_block_keys(prompt: Sequence[int], block: int) -> list[int]:
     """Keys of `prompt`'s whole blocks of `block` tokens, each covering its tokens and every
     block before it (a chain, as vLLM's prefix caching keys blocks), as unsigned 64-bit
     ints: how a worker names the stored blocks a request reads (`StepReport.prefix_reads`)
-    and how the engine names those it expects an instance to hold. Python hashes integer
-    tuples without a per-process seed, so every process computes the same keys."""
+    and the engine the blocks it expects an instance to hold. Python hashes integer tuples
+    without a per-process seed, so every process computes the same keys."""
     keys, key = [], 0
     for start in range(0, len(prompt) - len(prompt) % block, block):
-        key = hash((key, tuple(prompt[start : start + block]))) & 0xFFFF_FFFF_FFFF_FFFF
+        key = block_key(key, prompt[start : start + block])
         keys.append(key)
     return keys
 

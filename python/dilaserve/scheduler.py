@@ -669,13 +669,12 @@ class Scheduler:
         a move elsewhere is reported as a `step_aborted` migration). Returns their ids."""
         return self._core.abort_step(instance_id)
 
-    def expect_prefix(self, request_id: int, instance_id: int, keys: Sequence[int]) -> None:
+    def expect_prefix(self, request_id: int, instance_id: int, tokens: int) -> None:
         """Prefix sharing: instance `instance_id` is expected to hold the exact K/V of the
-        request's leading prompt blocks `keys` (`protocol.prompt_block_keys`), so its first
-        step there feeds only what follows them, placement weighs that instance at the
-        shorter step, and admission there counts the blocks its residents already read once.
-        Only before the request's first dispatch, under the exact block cache."""
-        self._core.expect_prefix(request_id, instance_id, list(keys))
+        request's first `tokens` prompt tokens (whole blocks), so its first step there feeds
+        only what follows them and placement weighs that instance at the shorter step. Only
+        before the request's first dispatch, under the exact block cache."""
+        self._core.expect_prefix(request_id, instance_id, tokens)
 
     def read_prefix(self, instance_id: int, request_id: int, keys: Sequence[int]) -> None:
         """Prefix sharing: the request, resident on `instance_id`, reads the stored prompt

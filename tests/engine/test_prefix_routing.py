@@ -1,7 +1,7 @@
 """Prefix sharing in the engine: it knows which prompt blocks each instance holds and tells
 the scheduler, so a request's first step is priced (and placed) at what it will feed; it
-passes on the blocks each request reads, so admission counts a shared block once; it counts
-the instances' lookups and hits and exports them."""
+passes on the stored blocks each request reads, so admission counts a shared block once; it
+counts the instances' lookups and hits and exports them."""
 
 from __future__ import annotations
 
@@ -21,14 +21,13 @@ def test_the_index_finds_the_instance_holding_the_longest_run_of_leading_blocks(
     index.add_instance(2, kv_tokens=6)  # three blocks
     index.record(1, [1, 1, 2, 2, 9])
     index.record(2, [1, 1, 2, 2, 3, 3])
-    keys = prompt_block_keys([1, 1, 2, 2, 3, 3, 7, 7], 2)
-    assert index.longest([1, 1, 2, 2, 3, 3, 4]) == (2, keys[:3])
-    assert index.longest([1, 1, 2, 2, 5, 5]) in ((1, keys[:2]), (2, keys[:2]))
+    assert index.longest([1, 1, 2, 2, 3, 3, 4]) == (2, 6)
+    assert index.longest([1, 1, 2, 2, 5, 5]) in ((1, 4), (2, 4))
     assert index.longest([2, 2, 1, 1]) is None  # a block's key is all before it too
     # Instance 2 holds three blocks: the root of a new prompt stays, its tail goes first.
     index.record(2, [7, 7, 8, 8])
-    assert index.longest([1, 1, 2, 2, 3, 3]) == (1, keys[:2])
-    assert index.longest([7, 7, 8, 8]) == (2, prompt_block_keys([7, 7, 8, 8], 2))
+    assert index.longest([1, 1, 2, 2, 3, 3]) == (1, 4)
+    assert index.longest([7, 7, 8, 8]) == (2, 4)
     index.remove_instance(2)
     assert index.longest([7, 7, 8, 8]) is None
     index.record(2, [7, 7])  # an instance it does not know: nothing
@@ -44,19 +43,19 @@ def test_a_request_behind_a_stored_system_prompt_is_expected_where_it_is_stored(
     params = GenerationParams(max_tokens=8, threshold=0.9)
     first = harness.run(engine.complete(system + "12345+67890=", params))
     (home,) = first.stats.instances
-    expected: list[tuple[int, int, list[int]]] = []
+    expected: list[tuple[int, int, int]] = []
     scheduler = engine.scheduler
 
-    def spy(request_id: int, instance_id: int, keys: list[int]) -> None:
-        expected.append((request_id, instance_id, keys))
-        original(request_id, instance_id, keys)
+    def spy(request_id: int, instance_id: int, tokens: int) -> None:
+        expected.append((request_id, instance_id, tokens))
+        original(request_id, instance_id, tokens)
 
     original = scheduler.expect_prefix
     with harness.patched(scheduler, "expect_prefix", spy):
         second = harness.run(engine.complete(system + "31415+42653=", params))
     # Where it runs is the scheduler's choice (each instance's measured speed counts too:
     # `a_stored_prefix_draws_a_request_to_the_instance_holding_it_at_its_shorter_step`).
-    assert len(expected) == 1 and expected[0][1] == home and len(expected[0][2]) == 2
+    assert len(expected) == 1 and expected[0][1:] == (home, 16)
     assert second.stats.steps >= 1
 
 
@@ -70,29 +69,24 @@ def test_prefix_store_reads_lookups_and_hits_are_reported_counted_and_exported(m
     params = GenerationParams(max_tokens=8, threshold=0.9)
     harness.run(engine.complete(system + "12345+67890=", params))
     assert harness.call(lambda: engine.status().prefix_cache)["hit_tokens"] == 0
-    calls: dict[str, list[tuple[int, int, list[int]]]] = {"expect": [], "read": []}
+    reads: list[tuple[int, list[int], list[int]]] = []
     scheduler = engine.scheduler
-    expect_prefix, read_prefix = scheduler.expect_prefix, scheduler.read_prefix
-
-    def expected(request_id: int, instance_id: int, keys: list[int]) -> None:
-        calls["expect"].append((instance_id, request_id, keys))
-        expect_prefix(request_id, instance_id, keys)
+    read_prefix = scheduler.read_prefix
 
     def read(instance_id: int, request_id: int, keys: list[int]) -> None:
-        calls["read"].append((instance_id, request_id, keys))
+        prompt = engine._requests[request_id].state.prompt_ids
+        reads.append((instance_id, keys, prompt_block_keys(prompt, 8)))
         read_prefix(instance_id, request_id, keys)
 
     # One position a step: its first step does not finish it (a finished request reads
     # nothing any more).
     one_a_step = GenerationParams(max_tokens=8, steps_per_block=8)
-    with (
-        harness.patched(scheduler, "expect_prefix", expected),
-        harness.patched(scheduler, "read_prefix", read),
-    ):
+    with harness.patched(scheduler, "read_prefix", read):
         harness.run(engine.complete(system + "31415+42653=", one_a_step))
-    # The worker names the blocks it read as the engine named those it expected there.
-    (read_call,) = calls["read"]
-    assert calls["expect"] == [read_call] and len(read_call[2]) == 2
+    # The two shared blocks, named as the engine names its prompt's blocks.
+    (instance,) = harness.call(lambda: [i.id for i in engine.status().instances])
+    ((at, keys, prompt_keys),) = reads
+    assert at == instance and keys == prompt_keys[:2]
     use = harness.call(lambda: engine.status().prefix_cache)
     assert use["hit_tokens"] == 16 and use["queried_tokens"] >= 2 * 24
     metrics = Metrics(engine)

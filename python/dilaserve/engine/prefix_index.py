@@ -51,15 +51,15 @@ class PrefixIndex:
         while len(store) > self._capacity[instance]:
             store.popitem(last=False)
 
-    def longest(self, prompt: Sequence[int]) -> tuple[int, list[int]] | None:
-        """The instance expected to hold the longest run of `prompt`'s leading blocks, and
-        their keys; None if none holds its first."""
+    def longest(self, prompt: Sequence[int]) -> tuple[int, int] | None:
+        """(instance, tokens) of the instance expected to hold the longest run of
+        `prompt`'s leading blocks; None if none holds its first."""
         chain = prompt_block_keys(prompt, self.block)
-        best: tuple[int, list[int]] | None = None
+        best: tuple[int, int] | None = None
         for instance, store in self._stores.items():
             held = 0
             while held < len(chain) and chain[held] in store:
                 held += 1
-            if held and (best is None or held > len(best[1])):
-                best = (instance, chain[:held])
+            if held and (best is None or held * self.block > best[1]):
+                best = (instance, held * self.block)
         return best

@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
-from dilaserve.protocol import prompt_block_keys
+from dilaserve.protocol import block_key
 from dilaserve.worker.kv_cache import CacheFullError, KVCachePool, Move
 
 #: A stored block's key: the key id of the block before it (0 for the first) and its tokens.
@@ -47,14 +45,7 @@ class PrefixStats:
 class _Entry:
     key_id: int  # names this block as the parent of the next one
     pool_id: int  # its extent's id in the pool
-
-
-@dataclass
-class _Reads:
-    """The stored blocks one request reads, in prompt order."""
-
-    pool_ids: list[int]
-    keys: list[int]  # as `prompt_block_keys` names them
+    reported: int  # its key in reports (`protocol.prompt_block_keys`)
 
 
 class PrefixCache:
@@ -66,8 +57,7 @@ class PrefixCache:
         self._entries: OrderedDict[BlockKey, _Entry] = OrderedDict()  # oldest use first
         self._keys: dict[int, BlockKey] = {}  # pool id -> key
         self._ids = itertools.count(1)
-        self._readers: dict[int, _Reads] = {}
-        self._held_back: list[_Reads] | None = None  # releases `hold_releases` defers
+        self._readers: dict[int, list[_Entry]] = {}  # request id -> the blocks it reads
         self.stats = PrefixStats()
         pool.on_evict = self._forget
 
@@ -92,11 +82,10 @@ class PrefixCache:
                 break
             hits.append(key)
             parent = entry.key_id
-        pool_ids = [self._entries[key].pool_id for key in hits]
-        for pool_id in pool_ids:
-            self.pool.pin(pool_id)
-        keys = prompt_block_keys(prompt[: len(hits) * self.block], self.block)
-        self._readers[request_id] = _Reads(pool_ids, keys)
+        read = [self._entries[key] for key in hits]
+        for entry in read:
+            self.pool.pin(entry.pool_id)
+        self._readers[request_id] = read
         self._touch(hits)
         covered = len(hits) * self.block
         self.stats.hit_tokens += covered
@@ -106,9 +95,8 @@ class PrefixCache:
         """The pool rows of `request_id`'s shared blocks as (first row, length) runs, in
         position order (adjacent blocks joined)."""
         runs: list[tuple[int, int]] = []
-        reads = self._readers.get(request_id)
-        for pool_id in reads.pool_ids if reads else ():
-            row = self.pool.base(pool_id)
+        for entry in self._readers.get(request_id, ()):
+            row = self.pool.base(entry.pool_id)
             if runs and runs[-1][0] + runs[-1][1] == row:
                 runs[-1] = (runs[-1][0], runs[-1][1] + self.block)
             else:
@@ -116,35 +104,13 @@ class PrefixCache:
         return tuple(runs)
 
     def reads(self, request_id: int) -> list[int]:
-        """Keys of the stored blocks `request_id` reads (`prompt_block_keys`)."""
-        reads = self._readers.get(request_id)
-        return list(reads.keys) if reads else []
+        """The report keys of the stored blocks `request_id` reads, in prompt order."""
+        return [entry.reported for entry in self._readers.get(request_id, ())]
 
     def release(self, request_id: int) -> None:
         """`request_id` no longer reads its shared blocks (a no-op if it read none)."""
-        reads = self._readers.pop(request_id, None)
-        if reads is None:
-            return
-        if self._held_back is not None:
-            self._held_back.append(reads)
-            return
-        for pool_id in reads.pool_ids:
-            self.pool.unpin(pool_id)
-
-    @contextmanager
-    def hold_releases(self) -> Iterator[None]:
-        """Keeps the blocks of requests released inside pinned until the end: a command
-        releases its leavers before it takes its arrivals in, and an arrival the scheduler
-        admitted counting blocks a leaver read must still find them (unpinned, another
-        arrival's extent could evict them first)."""
-        self._held_back = []
-        try:
-            yield
-        finally:
-            held_back, self._held_back = self._held_back, None
-            for reads in held_back:
-                for pool_id in reads.pool_ids:
-                    self.pool.unpin(pool_id)
+        for entry in self._readers.pop(request_id, ()):
+            self.pool.unpin(entry.pool_id)
 
     def store(self, request_id: int, prompt: list[int], base: int) -> None:
         """Keeps the K/V of `prompt`'s whole blocks, final in `request_id`'s extent (its
@@ -152,19 +118,21 @@ class PrefixCache:
         in room no request holds (evicting the least recently used unread blocks)."""
         chain: list[BlockKey] = []
         added: list[tuple[BlockKey, int]] = []  # new blocks and their prompt positions
-        parent = 0
+        parent = reported = 0
         for start in self._blocks(prompt):
-            key = (parent, tuple(prompt[start : start + self.block]))
+            tokens = tuple(prompt[start : start + self.block])
+            key = (parent, tokens)
             entry = self._entries.get(key)
             if entry is None:
                 key_id = next(self._ids)
                 if not self._place(-key_id, set(chain)):
                     break
-                entry = self._entries[key] = _Entry(key_id, pool_id=-key_id)
+                entry = _Entry(key_id, pool_id=-key_id, reported=block_key(reported, tokens))
+                self._entries[key] = entry
                 self._keys[entry.pool_id] = key
                 added.append((key, start))
             chain.append(key)
-            parent = entry.key_id
+            parent, reported = entry.key_id, entry.reported
         self.pool.copy(
             [
                 Move(base + start, self.pool.base(self._entries[key].pool_id), self.block)

@@ -80,42 +80,35 @@ class WorkerSettings:
 def execute(runner: StepRunner, command: StepCommand) -> StepReport:
     """Applies one command to `runner`; never raises for a bad request or a failed step.
     The report also counts the admitted requests' prefix-store lookups and hits, and names
-    the stored blocks each of them reads."""
+    the stored blocks each of those still here reads."""
     prefix = runner.prefix
-    before = (0, 0) if prefix is None else (prefix.stats.looked_up_tokens, prefix.stats.hit_tokens)
-    with contextlib.nullcontext() if prefix is None else prefix.hold_releases():
-        refused = _release_and_admit(runner, command)
-    report = _step(runner, command, refused)
-    if prefix is not None:
-        report.prefix_queried_tokens = prefix.stats.looked_up_tokens - before[0]
-        report.prefix_hit_tokens = prefix.stats.hit_tokens - before[1]
-        for state in command.admit:
-            if state.request_id in runner and (keys := prefix.reads(state.request_id)):
-                report.prefix_reads[state.request_id] = keys
+    if prefix is None:
+        return _execute(runner, command)
+    before = (prefix.stats.looked_up_tokens, prefix.stats.hit_tokens)
+    report = _execute(runner, command)
+    report.prefix_queried_tokens = prefix.stats.looked_up_tokens - before[0]
+    report.prefix_hit_tokens = prefix.stats.hit_tokens - before[1]
+    for state in command.admit:
+        if keys := prefix.reads(state.request_id):
+            report.prefix_reads[state.request_id] = keys
     return report
 
 
-def _release_and_admit(runner: StepRunner, command: StepCommand) -> list[RequestError]:
-    """Lets the command's leavers go and takes its arrivals in; the arrivals it refused."""
+def _execute(runner: StepRunner, command: StepCommand) -> StepReport:
+    errors: list[RequestError] = []
     for rid in command.release:
         if rid in runner:
             runner.release(rid)
-    refused: list[RequestError] = []
+    refused: set[int] = set()
     for state in command.admit:
         try:
             runner.add(state)
         except (TokenStateError, WorkerError) as exc:
-            refused.append(RequestError(state.request_id, str(exc)))
-    return refused
-
-
-def _step(runner: StepRunner, command: StepCommand, refused: list[RequestError]) -> StepReport:
-    """Runs the command's step for its entries, but those of `refused` arrivals."""
-    errors = list(refused)
-    refused_ids = {error.request_id for error in refused}
+            errors.append(RequestError(state.request_id, str(exc)))
+            refused.add(state.request_id)
     entries = []
     for entry in command.entries():
-        if entry.request_id in refused_ids:
+        if entry.request_id in refused:
             continue
         try:
             if entry.kind is StepKind.AUTO:

@@ -430,10 +430,10 @@ impl PyScheduler {
         Ok(self.inner.abort_step(instance.0)?.to_vec())
     }
 
-    /// Instance `instance` is expected to hold request `id`'s leading prompt blocks `keys`
+    /// Instance `instance` is expected to hold request `id`'s first `tokens` prompt tokens
     /// (prefix sharing); see `Scheduler::expect_prefix`.
-    fn expect_prefix(&mut self, id: Id, instance: Id, keys: Vec<u64>) -> PyResult<()> {
-        Ok(self.inner.expect_prefix(id.0, instance.0, keys)?)
+    fn expect_prefix(&mut self, id: Id, instance: Id, tokens: u32) -> PyResult<()> {
+        Ok(self.inner.expect_prefix(id.0, instance.0, tokens)?)
     }
 
     /// Request `id`, resident on `instance`, reads the stored prompt blocks `keys` there

@@ -1,6 +1,8 @@
 //! Request events: arrivals, step reports and cancellations. Each checks its whole input
 //! before changing anything, so a rejected event leaves no trace.
 
+use std::collections::HashSet;
+
 use super::config::{Admission, ThresholdPolicy};
 use super::error::SchedError;
 use super::history::FinishedRequest;
@@ -163,38 +165,34 @@ impl Scheduler {
         (estimate > slo_s).then_some(estimate)
     }
 
-    /// *(ours)* Prefix sharing: instance `instance` is expected to hold the exact K/V of
-    /// request `id`'s leading prompt blocks `keys` (`protocol.prompt_block_keys`, stored
-    /// there by another request), so its first step there feeds only what follows them;
-    /// placement weighs that instance at the shorter step, and admission there counts the
-    /// blocks its residents already read once (`shared_blocks`). Only before its first
-    /// dispatch, under the exact cache.
-    pub fn expect_prefix(
-        &mut self,
-        id: u64,
-        instance: u64,
-        keys: Vec<u64>,
-    ) -> Result<(), SchedError> {
+    /// *(ours)* Prefix sharing: instance `instance` is expected to hold the exact K/V of the
+    /// first `tokens` prompt tokens of request `id` (whole blocks another request stored
+    /// there), so its first step there feeds only what follows them; placement weighs that
+    /// instance at the shorter step. Only before its first dispatch, under the exact cache.
+    pub fn expect_prefix(&mut self, id: u64, instance: u64, tokens: u32) -> Result<(), SchedError> {
         let pos = self.requests.pos_of(id)?;
-        let slot = self.instances.slot_of(instance)?;
-        let r = *self.requests.req(pos);
+        self.instances.slot_of(instance)?;
+        let r = self.requests.req_mut(pos);
         let invalid = |reason: String| SchedError::InvalidRequest { id, reason };
         if !r.exact {
             return Err(invalid("only the exact block cache shares prefixes".into()));
         }
-        let tokens = prefix_tokens(&r, &keys).map_err(invalid)?;
+        if tokens > r.prompt_len || tokens % r.block_length != 0 {
+            return Err(invalid(format!(
+                "a stored prefix of {tokens} tokens is not whole blocks of its {}-token prompt",
+                r.prompt_len
+            )));
+        }
         if r.last_instance.is_none() {
-            self.instances.drop_hint(&r);
-            self.instances.slots[slot as usize].shared.hint(id, keys);
-            self.requests.req_mut(pos).cached_prefix = Some((instance, tokens));
+            r.cached_prefix = Some((instance, tokens));
         }
         Ok(())
     }
 
     /// *(ours)* Prefix sharing: request `id`, resident on `instance`, reads the stored
     /// prompt blocks `keys` there (its worker reported them when it took the request in),
-    /// so the instance holds them once however many residents read them. Ignored for a
-    /// request that left or moved meanwhile.
+    /// so the instance holds them once however many residents read them
+    /// (`shared_blocks`). Ignored for a request that left or moved meanwhile.
     pub fn read_prefix(
         &mut self,
         instance: u64,
@@ -206,8 +204,20 @@ impl Scheduler {
             return Ok(());
         };
         let r = *self.requests.req(pos);
-        prefix_tokens(&r, &keys)
-            .map_err(|reason| SchedError::BadStepReport { instance, reason })?;
+        let bad = |reason: String| SchedError::BadStepReport {
+            instance,
+            reason: format!("request {id}: {reason}"),
+        };
+        let blocks = u64::try_from(keys.len()).unwrap_or(u64::MAX);
+        if blocks.saturating_mul(u64::from(r.block_length)) > u64::from(r.prompt_len) {
+            return Err(bad(format!(
+                "{blocks} stored blocks of {} tokens exceed its {}-token prompt",
+                r.block_length, r.prompt_len
+            )));
+        }
+        if keys.iter().collect::<HashSet<_>>().len() != keys.len() {
+            return Err(bad("a stored block is named twice".into()));
+        }
         if r.home == Some(slot) {
             self.instances.slots[slot as usize].set_reads(&r, keys);
         }
@@ -219,7 +229,6 @@ impl Scheduler {
     pub fn cancel(&mut self, id: u64) -> Result<(), SchedError> {
         let pos = self.requests.pos_of(id)?;
         let r = *self.requests.req(pos);
-        self.instances.drop_hint(&r);
         if let Some(home) = r.home {
             let estimate = r.next_step_estimate(self.config.caching);
             let inst = &mut self.instances.slots[home as usize];
@@ -524,20 +533,4 @@ impl Scheduler {
 enum Commit {
     Finished,
     Continues { was_full: bool, block_done: bool },
-}
-
-/// Tokens of the stored blocks `keys`, if they are whole blocks of `r`'s prompt.
-fn prefix_tokens(r: &Request, keys: &[u64]) -> Result<u32, String> {
-    u32::try_from(keys.len())
-        .ok()
-        .and_then(|n| n.checked_mul(r.block_length))
-        .filter(|&t| t <= r.prompt_len)
-        .ok_or_else(|| {
-            format!(
-                "{} stored blocks of {} tokens do not fit its {}-token prompt",
-                keys.len(),
-                r.block_length,
-                r.prompt_len
-            )
-        })
 }

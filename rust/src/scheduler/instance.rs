@@ -188,10 +188,9 @@ impl Instance {
         self.alive && (!self.busy || (overlap && self.ahead.is_none() && !self.draining))
     }
 
-    /// Whether `residents` more requests holding `kv_tokens` in all fit beside those here.
-    pub fn has_resident_room(&self, residents: u32, kv_tokens: u64) -> bool {
-        self.kv_tokens
-            .is_none_or(|kv| self.kv_used + kv_tokens <= kv)
+    /// Whether `residents` more requests holding `tokens` in all fit beside those here.
+    pub fn has_resident_room(&self, residents: u32, tokens: u64) -> bool {
+        self.kv_tokens.is_none_or(|kv| self.kv_used + tokens <= kv)
             && self
                 .max_requests
                 .is_none_or(|m| u64::from(self.residents) + u64::from(residents) <= u64::from(m))
@@ -208,27 +207,21 @@ impl Instance {
         self.kv_tokens.is_some() || self.max_requests.is_some() || self.budget != default_budget
     }
 
-    /// *(ours)* KV tokens `r` would hold here as a new resident: its sequence, less the
-    /// stored blocks it is expected to read that residents here read already.
-    pub fn kv_charge(&self, r: &Request) -> u64 {
-        r.seq_tokens() - self.shared.held_run(r.id) as u64 * u64::from(r.block_length)
-    }
-
-    /// `r` lives here now, holding [`Self::kv_charge`] tokens.
+    /// `r` lives here now; until its worker reports the stored blocks it reads, it is
+    /// charged its whole sequence.
     pub fn add_resident(&mut self, r: &Request) {
-        self.kv_used += self.kv_charge(r);
-        self.shared.place(r.id);
         self.residents += 1;
         self.resident_tokens += r.seq_tokens();
+        self.kv_used += r.seq_tokens();
     }
 
     /// `r` no longer lives here; the worker is told with the next batch.
     pub fn drop_resident(&mut self, r: &Request) {
+        self.set_reads(r, Vec::new());
         self.released.push(r.id);
         self.residents -= 1;
         self.resident_tokens -= r.seq_tokens();
         self.kv_used -= r.seq_tokens();
-        self.set_reads(r, Vec::new());
     }
 
     /// *(ours)* Resident `r` reads the stored blocks `keys` (as its worker reported).
@@ -257,14 +250,6 @@ impl InstanceTable {
             .get(&id)
             .copied()
             .ok_or(SchedError::UnknownInstance(id))
-    }
-
-    /// *(ours)* Forgets `r`'s expected prefix hit ([`SharedBlocks::hint`]): it was placed,
-    /// or left.
-    pub fn drop_hint(&mut self, r: &Request) {
-        if let Some(slot) = r.cached_prefix.and_then(|(id, _)| self.slot_of(id).ok()) {
-            self.slots[slot as usize].shared.drop_hint(r.id);
-        }
     }
 
     /// Checks a spec: unique id, one distinct free GPU per TP rank, non-zero capacities.
@@ -475,42 +460,5 @@ mod tests {
         let config = SchedulerConfig::default().validated().unwrap();
         let spec = RequestSpec::new(id, 0.0, 10.0, prompt, 32);
         Request::from_spec(&spec, &config, 0).unwrap().0
-    }
-
-    #[test]
-    fn residents_reading_one_stored_prefix_hold_it_once() {
-        let mut t = InstanceTable::default();
-        t.insert(
-            InstanceSpec {
-                kv_tokens: Some(1000),
-                ..spec(1, 1, vec![0])
-            },
-            0,
-            8192,
-        );
-        let a = &mut t.slots[0];
-        let keys: Vec<u64> = (1..=12).collect();
-        let (first, second, third) = (request(1, 416), request(2, 416), request(3, 416));
-        a.add_resident(&first); // it prefills and stores its 12 prompt blocks: 448 held
-        a.add_resident(&second);
-        assert_eq!(a.kv_used, 896);
-        a.set_reads(&second, keys.clone()); // its worker: it read the 12 stored blocks
-        assert_eq!(
-            a.kv_used, 896,
-            "the stored copy it reads takes what its extent gave up"
-        );
-        a.shared.hint(3, keys);
-        assert_eq!(a.kv_charge(&third), 448 - 384);
-        assert!(a.has_resident_room(1, a.kv_charge(&third)));
-        a.add_resident(&third);
-        assert_eq!(a.kv_used, 960);
-        a.drop_resident(&second);
-        assert_eq!(
-            a.kv_used, 896,
-            "the blocks stay held while the third reads them"
-        );
-        a.drop_resident(&third);
-        a.drop_resident(&first);
-        assert_eq!((a.kv_used, a.resident_tokens), (0, 0));
     }
 }

@@ -286,14 +286,13 @@ impl Placement {
         best.map(|(key, slot)| Candidate { slot, key })
     }
 
-    /// Key of instance `slot` for a new resident of `seq` tokens holding `kv` of them there
-    /// ([`Instance::kv_charge`]), whose step there feeds `n` (for a reserved `slot`, only
-    /// its `reserver`), if the request fits there.
+    /// Key of instance `slot` for a new resident whose step there feeds `n` tokens (for a
+    /// reserved `slot`, only its `reserver`), if the request fits there.
     pub fn key_at(
         &self,
         slot: u32,
         inst: &Instance,
-        (n, seq, kv): (u64, u64, u64),
+        (n, seq): (u64, u64),
         costs: &DegreeCosts,
         reserver: bool,
     ) -> Option<f64> {
@@ -302,7 +301,7 @@ impl Placement {
         } else {
             self.leaf(slot, inst)
         };
-        let fits = leaf.batch_room >= n as i64 && leaf.kv_room >= kv as i64 && leaf.req_room >= 1;
+        let fits = leaf.batch_room >= n as i64 && leaf.kv_room >= seq as i64 && leaf.req_room >= 1;
         fits.then(|| self.key_of(&leaf, n, seq, costs))
     }
 

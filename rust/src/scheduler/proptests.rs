@@ -410,7 +410,6 @@ impl Harness {
                 i.kv_used_tokens,
                 i.kv_tokens
             );
-            prop_assert!(i.kv_used_tokens <= i.resident_tokens);
             prop_assert!(i.max_requests.is_none_or(|m| i.residents <= m));
         }
         Ok(())

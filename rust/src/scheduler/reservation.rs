@@ -66,9 +66,9 @@ pub(crate) fn soonest(
             if resident {
                 return (0, 0);
             }
-            let tokens = inst.kv_tokens.map_or(0, |kv| {
-                (inst.kv_used + inst.kv_charge(r)).saturating_sub(kv)
-            });
+            let tokens = inst
+                .kv_tokens
+                .map_or(0, |kv| (inst.kv_used + seq).saturating_sub(kv));
             let reqs = inst.max_requests.map_or(0, |m| {
                 (u64::from(inst.residents) + 1).saturating_sub(u64::from(m))
             });

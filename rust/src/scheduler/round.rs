@@ -347,9 +347,7 @@ impl Scheduler {
             let mut best = placement.best(n, seq, groups);
             if let Some(rs) = reserved_slot {
                 let inst = &instances.slots[rs as usize];
-                if let Some(key) =
-                    placement.key_at(rs, inst, (n, seq, seq), &groups[inst.group], true)
-                {
+                if let Some(key) = placement.key_at(rs, inst, (n, seq), &groups[inst.group], true) {
                     if Placement::better(key, rs, best) {
                         best = Some(Candidate { slot: rs, key });
                     }
@@ -365,8 +363,7 @@ impl Scheduler {
                 let inst = &instances.slots[cs as usize];
                 let reserver = reserved_slot == Some(cs);
                 let costs = &groups[inst.group];
-                let kv = inst.kv_charge(&r);
-                if let Some(key) = placement.key_at(cs, inst, (n - hit, seq, kv), costs, reserver) {
+                if let Some(key) = placement.key_at(cs, inst, (n - hit, seq), costs, reserver) {
                     if Placement::better(key, cs, best) {
                         best = Some(Candidate { slot: cs, key });
                     }
@@ -482,7 +479,6 @@ impl Scheduler {
                     placement.left(h, &instances.slots[h as usize]);
                 }
                 instances.slots[target as usize].add_resident(&r);
-                instances.drop_hint(&r);
             }
             placement.add_free(target, &instances.slots[target as usize], n, None);
             if let Some(rs) = reserved_slot {

@@ -585,12 +585,12 @@ fn a_stored_prefix_draws_a_request_to_the_instance_holding_it_at_its_shorter_ste
         s.arrive(RequestSpec::new(id, 0.001, 100.0, 4000, 128))
             .unwrap();
     }
-    let invalid = s.expect_prefix(100, 2, block_keys(126));
+    let invalid = s.expect_prefix(100, 2, 3970);
     assert!(
         matches!(invalid, Err(SchedError::InvalidRequest { .. })),
-        "more blocks than the prompt holds"
+        "not whole blocks"
     );
-    s.expect_prefix(100, 2, block_keys(124)).unwrap();
+    s.expect_prefix(100, 2, 3968).unwrap();
     let d = s.schedule(0.001).unwrap().clone();
     // The one without a stored prefix prefills on the idle instance.
     let idle = batch_of(&d, 1);
@@ -607,9 +607,4 @@ fn a_stored_prefix_draws_a_request_to_the_instance_holding_it_at_its_shorter_ste
         busy.iter().any(|e| e.request == 100 && e.tokens == 64),
         "{busy:?}"
     );
-}
-
-/// Keys of a prompt's first `n` blocks.
-pub(crate) fn block_keys(n: u64) -> Vec<u64> {
-    (1..=n).collect()
 }

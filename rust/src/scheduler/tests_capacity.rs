@@ -1,7 +1,7 @@
 //! Scenario tests of per-instance capacity, completion-time instance choice with busy
 //! instances, and reservations against starvation.
 
-use super::tests::{batch_of, block_keys, instance, profile, results, scheduler};
+use super::tests::{batch_of, instance, profile, results, scheduler};
 use super::*;
 use crate::profile::StepKind;
 
@@ -285,34 +285,36 @@ fn requests_reading_one_stored_prefix_are_admitted_counting_it_once() {
         ..Default::default()
     };
     let mut s = Scheduler::new(profile(), config).unwrap();
-    s.add_instance(limited(1, Some(1000), None, None)).unwrap();
-    // Three 448-token sequences whose prompts start with the same 12 blocks (384 tokens).
-    for id in [1, 2] {
-        s.arrive(RequestSpec::new(id, 0.0, 100.0, 416, 32)).unwrap();
-    }
-    let first = s.schedule(0.0).unwrap().clone();
-    assert_eq!(ids(&batch_of(&first, 1)), [1, 2]);
-    s.arrive(RequestSpec::new(3, 0.001, 100.0, 416, 32))
-        .unwrap();
-    s.expect_prefix(3, 1, block_keys(12)).unwrap();
-    // Whole sequences: 3 × 448 > 1,000, and no resident reads the stored blocks yet.
-    s.step_done(1, 0.05, &results(&batch_of(&first, 1), 4))
-        .unwrap();
+    s.add_instance(limited(1, Some(1500), None, None)).unwrap();
+    // 448-token sequences whose prompts open with the same 12 blocks (384 tokens). The
+    // first stores them with its first step; the next two arrive after it and read them.
+    let arrive = |s: &mut Scheduler, id: u64, at: f64| {
+        s.arrive(RequestSpec::new(id, at, 100.0, 416, 32)).unwrap();
+    };
+    arrive(&mut s, 1, 0.0);
+    let d = s.schedule(0.0).unwrap().clone();
+    s.step_done(1, 0.05, &results(&batch_of(&d, 1), 4)).unwrap();
+    arrive(&mut s, 2, 0.05);
+    arrive(&mut s, 3, 0.05);
     let d = s.schedule(0.05).unwrap().clone();
-    assert!(batch_of(&d, 1).iter().all(|e| e.request != 3));
-    assert_eq!(s.instance(1).unwrap().kv_used_tokens, 896);
-    // Request 2's worker reports that it read request 1's stored prompt blocks: they are
-    // held once (its extent is 384 tokens shorter), so request 3, reading them too, needs
-    // only its own 64 tokens.
-    s.read_prefix(1, 2, block_keys(12)).unwrap();
-    assert_eq!(s.instance(1).unwrap().kv_used_tokens, 896);
+    assert_eq!(ids(&batch_of(&d, 1)), [1, 2, 3]);
+    // Whole sequences until their worker reports what they read.
+    assert_eq!(s.instance(1).unwrap().kv_used_tokens, 3 * 448);
+    for id in [2, 3] {
+        s.read_prefix(1, id, (1..=12).collect()).unwrap();
+    }
+    // Request 1's extent, the 12 stored blocks once, the other two's 64 own tokens.
+    assert_eq!(s.instance(1).unwrap().kv_used_tokens, 448 + 384 + 2 * 64);
     s.step_done(1, 0.1, &results(&batch_of(&d, 1), 4)).unwrap();
+    // A fourth fits now: 960 + 448 ≤ 1,500, where whole sequences (1,792) would not.
+    arrive(&mut s, 4, 0.1);
     let d = s.schedule(0.1).unwrap().clone();
-    assert!(batch_of(&d, 1)
-        .iter()
-        .any(|e| e.request == 3 && e.tokens == 64));
-    assert_eq!(s.instance(1).unwrap().kv_used_tokens, 960);
-    // A report for a request that is not resident there changes nothing.
-    s.read_prefix(1, 99, block_keys(12)).unwrap();
-    assert_eq!(s.instance(1).unwrap().kv_used_tokens, 960);
+    assert!(ids(&batch_of(&d, 1)).contains(&4), "{:?}", d.waiting);
+    // Reports that cannot be right are refused; one for a request that left is ignored.
+    let twice = s.read_prefix(1, 4, vec![5, 5]);
+    assert!(matches!(twice, Err(SchedError::BadStepReport { .. })));
+    let too_many = s.read_prefix(1, 4, (1..=14).collect());
+    assert!(matches!(too_many, Err(SchedError::BadStepReport { .. })));
+    s.read_prefix(1, 99, vec![1]).unwrap();
+    assert_eq!(s.instance(1).unwrap().kv_used_tokens, 960 + 448);
 }
