@@ -311,6 +311,26 @@ def test_eval_of_a_block_diffusion_model_compares_its_exact_cache_with_none(caps
     assert "choose from ['none', 'block']" in capsys.readouterr().err
 
 
+def test_eval_command_decodes_only_the_tasks_asked_for(capsys, untrained_dir, monkeypatch):
+    from dilaserve.cli import eval as eval_cli
+    from dilaserve.cli import main
+
+    decoded: list[str] = []
+
+    def spy(model, tokenizer, problems, **kwargs):
+        decoded.extend(p.task for p in problems)
+        return sweep(model, tokenizer, problems, **kwargs)
+
+    sweep = eval_cli.sweep
+    monkeypatch.setattr(eval_cli, "sweep", spy)
+    args = ["eval", "--json", "--n", "5", "--thresholds", "0.9", "--caches", "none"]
+    assert main([*args, "--tasks", "add,rep", "--model", str(untrained_dir)]) == 0
+    assert len(decoded) == 5 and set(decoded) <= {"add", "rep"}
+    assert json.loads(capsys.readouterr().out)["n"] == 5
+    assert main([*args, "--tasks", "sum", "--model", str(untrained_dir)]) == 2
+    assert "unknown tasks ['sum']" in capsys.readouterr().err
+
+
 def test_eval_command_writes_no_plot_unless_asked(capsys, tmp_path, untrained_dir, monkeypatch):
     from dilaserve.cli import main
 

@@ -9,7 +9,7 @@ import sys
 from dilaserve.cli.common import add_model_arguments, load_model_from_args, model_dir
 from dilaserve.models import load_tokenizer
 from dilaserve.tiny.evaluate import EVAL_SEED, THRESHOLDS, SweepRow, modes_of, plot, sweep
-from dilaserve.tiny.tasks import make_problems
+from dilaserve.tiny.tasks import GENERATORS, make_problems
 
 
 def _floats(text: str) -> list[float]:
@@ -31,6 +31,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=EVAL_SEED, help="seed of the held-out problems")
     p.add_argument("--thresholds", type=_floats, default=list(THRESHOLDS))
     p.add_argument(
+        "--tasks",
+        type=lambda s: tuple(s.split(",")),
+        help=f"only problems of these tasks, e.g. add (default: all of {','.join(GENERATORS)})",
+    )
+    p.add_argument(
         "--caches",
         type=lambda s: s.split(","),
         help="e.g. none,dual (default: none,prefix,dual, or none,block for a block diffusion "
@@ -50,6 +55,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--n, --batch-size and --block-length must be positive")
     if any(not 0.0 <= t <= 1.0 for t in args.thresholds):
         raise ValueError(f"thresholds must lie in [0, 1], got {args.thresholds}")
+    unknown_tasks = sorted(set(args.tasks or ()) - set(GENERATORS))
+    if unknown_tasks:
+        raise ValueError(f"unknown tasks {unknown_tasks}; choose from {list(GENERATORS)}")
     model = load_model_from_args(args)
     modes = modes_of(model)
     unknown = sorted(set(args.caches or ()) - set(modes))
@@ -58,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     rows = sweep(
         model,
         load_tokenizer(model_dir(args)),
-        make_problems(args.n, args.seed),
+        make_problems(args.n, args.seed, args.tasks),
         thresholds=args.thresholds,
         cache_modes=args.caches,
         block_length=args.block_length,
