@@ -17,6 +17,8 @@ malformed frame fails to decode with a typed error instead of reaching the runne
 from __future__ import annotations
 
 import enum
+import hashlib
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -456,16 +458,18 @@ class RequestError:
 
 def block_key(previous: int, tokens: Sequence[int]) -> int:
     """The key of a prompt block of `tokens` after the block keyed `previous` (0 for the
-    first): see `prompt_block_keys`."""
-    return hash((previous, tuple(tokens))) & 0xFFFF_FFFF_FFFF_FFFF
+    first): 64 bits of BLAKE2b over both, so a client cannot craft two prompts whose blocks
+    share a key (Python's `hash` of a tuple is easy to collide), and every process computes
+    the same key."""
+    data = previous.to_bytes(8, "little") + array("Q", tokens).tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
 def prompt_block_keys(prompt: Sequence[int], block: int) -> list[int]:
     """Keys of `prompt`'s whole blocks of `block` tokens, each covering its tokens and every
     block before it (a chain, as vLLM's prefix caching keys blocks), as unsigned 64-bit
     ints: how a worker names the stored blocks a request reads (`StepReport.prefix_reads`)
-    and the engine the blocks it expects an instance to hold. Python hashes integer tuples
-    without a per-process seed, so every process computes the same keys."""
+    and the engine the blocks it expects an instance to hold."""
     keys, key = [], 0
     for start in range(0, len(prompt) - len(prompt) % block, block):
         key = block_key(key, prompt[start : start + block])

@@ -677,10 +677,11 @@ class Scheduler:
         self._core.expect_prefix(request_id, instance_id, tokens)
 
     def read_prefix(self, instance_id: int, request_id: int, keys: Sequence[int]) -> None:
-        """Prefix sharing: the request, resident on `instance_id`, reads the stored prompt
-        blocks `keys` there (as its worker reported, `StepReport.prefix_reads`): the
-        instance's KV use counts each such block once however many residents read it.
-        Ignored for a request that left or moved meanwhile."""
+        """Prefix sharing: the request, in the step in flight on `instance_id`, reads the
+        stored prompt blocks `keys` there (as its worker reported with that step,
+        `StepReport.prefix_reads`): the instance's KV use counts each such block once however
+        many residents read it. Ignored for a request not in that step. Names a block twice,
+        or more blocks than its prompt holds: `StepReportError`."""
         self._core.read_prefix(instance_id, request_id, list(keys))
 
     def cancel(self, request_id: int) -> None:
@@ -698,7 +699,8 @@ class Scheduler:
         max_batch_tokens: int | None = None,
     ) -> None:
         """Announces an instance. `kv_tokens` bounds the sequence tokens (prompt + padded
-        output) of its resident requests, `max_requests` their number, `max_batch_tokens`
+        output) of its resident requests, a stored prompt block several of them read counted
+        once (`read_prefix`), `max_requests` their number, `max_batch_tokens`
         the tokens of one step (None: the config's). None leaves a bound off."""
         self._core.add_instance(
             instance_id,

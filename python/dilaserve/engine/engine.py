@@ -660,9 +660,12 @@ class Engine:
             req = self._requests.get(error.request_id)
             if req is not None:
                 self._fail(req, RequestFailedError(error.message))
-        try:
-            for rid, keys in report.prefix_reads.items():
+        for rid, keys in report.prefix_reads.items():
+            try:
                 self.scheduler.read_prefix(inst.id, rid, keys)
+            except StepReportError as exc:  # it stays charged its whole sequence
+                log.warning("instance %d: request %d: prefix reads ignored: %s", inst.id, rid, exc)
+        try:
             outcome = self.scheduler.apply_report(inst.id, measured, report)
         except StepReportError as exc:
             log.error("instance %d: step %d: bad report: %s", inst.id, step.number, exc)

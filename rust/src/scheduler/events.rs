@@ -189,10 +189,11 @@ impl Scheduler {
         Ok(())
     }
 
-    /// *(ours)* Prefix sharing: request `id`, resident on `instance`, reads the stored
-    /// prompt blocks `keys` there (its worker reported them when it took the request in),
-    /// so the instance holds them once however many residents read them
-    /// (`shared_blocks`). Ignored for a request that left or moved meanwhile.
+    /// *(ours)* Prefix sharing: request `id`, in the step in flight on `instance`, reads
+    /// the stored prompt blocks `keys` there (its worker reported them with that step, which
+    /// took the request in), so the instance holds them once however many residents read
+    /// them (`shared_blocks`). Ignored for a request not in that step (it was cancelled, or
+    /// a new request reuses its id).
     pub fn read_prefix(
         &mut self,
         instance: u64,
@@ -218,8 +219,9 @@ impl Scheduler {
         if keys.iter().collect::<HashSet<_>>().len() != keys.len() {
             return Err(bad("a stored block is named twice".into()));
         }
-        if r.home == Some(slot) {
-            self.instances.slots[slot as usize].set_reads(&r, keys);
+        let inst = &mut self.instances.slots[slot as usize];
+        if inst.inflight.contains(&r.handle) && !inst.cancelled.contains(&id) {
+            inst.set_reads(&r, keys);
         }
         Ok(())
     }

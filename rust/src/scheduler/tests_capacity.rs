@@ -306,6 +306,10 @@ fn requests_reading_one_stored_prefix_are_admitted_counting_it_once() {
     // Request 1's extent, the 12 stored blocks once, the other two's 64 own tokens.
     assert_eq!(s.instance(1).unwrap().kv_used_tokens, 448 + 384 + 2 * 64);
     s.step_done(1, 0.1, &results(&batch_of(&d, 1), 4)).unwrap();
+    // Reads are taken only with the step that took a request in: request 1 is resident,
+    // but no step of it is in flight.
+    s.read_prefix(1, 1, (1..=12).collect()).unwrap();
+    assert_eq!(s.instance(1).unwrap().kv_used_tokens, 448 + 384 + 2 * 64);
     // A fourth fits now: 960 + 448 ≤ 1,500, where whole sequences (1,792) would not.
     arrive(&mut s, 4, 0.1);
     let d = s.schedule(0.1).unwrap().clone();
