@@ -74,6 +74,7 @@ class PrefixCache:
             raise ValueError(f"request {request_id} already reads a stored prefix")
         self.stats.looked_up_tokens += len(self._blocks(prompt)) * self.block
         hits: list[BlockKey] = []
+        read: list[_Entry] = []
         parent = 0
         for start in self._blocks(prompt):
             key = (parent, tuple(prompt[start : start + self.block]))
@@ -81,8 +82,8 @@ class PrefixCache:
             if entry is None:
                 break
             hits.append(key)
+            read.append(entry)
             parent = entry.key_id
-        read = [self._entries[key] for key in hits]
         for entry in read:
             self.pool.pin(entry.pool_id)
         self._readers[request_id] = read

@@ -436,8 +436,8 @@ impl PyScheduler {
         Ok(self.inner.expect_prefix(id.0, instance.0, tokens)?)
     }
 
-    /// Request `id`, resident on `instance`, reads the stored prompt blocks `keys` there
-    /// (prefix sharing); see `Scheduler::read_prefix`.
+    /// Request `id`, in the step in flight on `instance`, reads the stored prompt blocks
+    /// `keys` there (prefix sharing); see `Scheduler::read_prefix`.
     fn read_prefix(&mut self, instance: Id, id: Id, keys: Vec<u64>) -> PyResult<()> {
         Ok(self.inner.read_prefix(instance.0, id.0, keys)?)
     }

@@ -35,6 +35,16 @@ pub(super) fn scheduler(policy: Policy) -> Scheduler {
     Scheduler::new(profile(), config).unwrap()
 }
 
+/// [`scheduler`] under block diffusion's exact cache.
+pub(super) fn exact_scheduler(policy: Policy) -> Scheduler {
+    let config = SchedulerConfig {
+        exact_cache: true,
+        policy,
+        ..Default::default()
+    };
+    Scheduler::new(profile(), config).unwrap()
+}
+
 pub(super) fn batch_of(d: &Decisions, instance: u64) -> Vec<BatchEntry> {
     d.batches
         .iter()
@@ -519,12 +529,7 @@ fn same_inputs_give_same_decisions() {
 /// blocks out) on instance 1 finish their first block; then instance 2 joins. Returns the
 /// decisions of the round where each opens its second block.
 fn exact_block_opening_round(policy: Policy, prompt: u32, count: u64) -> Decisions {
-    let config = SchedulerConfig {
-        exact_cache: true,
-        policy,
-        ..Default::default()
-    };
-    let mut s = Scheduler::new(profile(), config).unwrap();
+    let mut s = exact_scheduler(policy);
     s.add_instance(instance(1, 1)).unwrap();
     for id in 0..count {
         s.arrive(RequestSpec::new(id, 0.0, 100.0, prompt, 128))
@@ -568,11 +573,7 @@ fn under_the_exact_cache_a_block_moves_only_where_its_prefill_pays() {
 
 #[test]
 fn a_stored_prefix_draws_a_request_to_the_instance_holding_it_at_its_shorter_step() {
-    let config = SchedulerConfig {
-        exact_cache: true,
-        ..Default::default()
-    };
-    let mut s = Scheduler::new(profile(), config).unwrap();
+    let mut s = exact_scheduler(Policy::dilaserve());
     s.add_instance(instance(2, 1)).unwrap();
     for id in 0..8 {
         s.arrive(RequestSpec::new(id, 0.0, 100.0, 32, 128)).unwrap();

@@ -1,7 +1,7 @@
 //! Scenario tests of per-instance capacity, completion-time instance choice with busy
 //! instances, and reservations against starvation.
 
-use super::tests::{batch_of, instance, profile, results, scheduler};
+use super::tests::{batch_of, exact_scheduler, instance, profile, results, scheduler};
 use super::*;
 use crate::profile::StepKind;
 
@@ -280,11 +280,7 @@ fn reservation_picks_the_instance_that_frees_first() {
 
 #[test]
 fn requests_reading_one_stored_prefix_are_admitted_counting_it_once() {
-    let config = SchedulerConfig {
-        exact_cache: true,
-        ..Default::default()
-    };
-    let mut s = Scheduler::new(profile(), config).unwrap();
+    let mut s = exact_scheduler(Policy::dilaserve());
     s.add_instance(limited(1, Some(1500), None, None)).unwrap();
     // 448-token sequences whose prompts open with the same 12 blocks (384 tokens). The
     // first stores them with its first step; the next two arrive after it and read them.
