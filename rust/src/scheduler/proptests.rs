@@ -19,11 +19,14 @@ enum Op {
         priority: i32,
         subset: u32,
     },
-    /// Report the step of the n-th running batch (mod their count).
+    /// Report the step of the n-th running batch (mod their count). Under the exact cache
+    /// each request the step took in first reads up to `reads` stored prompt blocks, most
+    /// of them one shared prefix.
     Finish {
         pick: usize,
         commit: u32,
         eos: bool,
+        reads: u32,
     },
     Cancel(usize),
     /// Arrive with the id of the n-th cancelled request (mod their count).
@@ -57,8 +60,8 @@ fn op() -> impl Strategy<Value = Op> {
                 prompt, output, slack, priority, subset
             }
         ),
-        6 => (any::<usize>(), 1u32..40, prop::bool::weighted(0.03))
-            .prop_map(|(pick, commit, eos)| Op::Finish { pick, commit, eos }),
+        6 => (any::<usize>(), 1u32..40, prop::bool::weighted(0.03), 0u32..5)
+            .prop_map(|(pick, commit, eos, reads)| Op::Finish { pick, commit, eos, reads }),
         1 => any::<usize>().prop_map(Op::Cancel),
         1 => any::<usize>().prop_map(Op::Reuse),
         1 => (prop::sample::select(vec![1u32, 2, 4]), capacity())
@@ -98,18 +101,26 @@ struct Harness {
     s: Scheduler,
     policy: Policy,
     caching: bool,
+    exact: bool,
     ids: Vec<u64>,
     cancelled: Vec<u64>,
     next_id: u64,
     next_instance: u64,
     running: Vec<(u64, Vec<u64>)>,
+    /// (instance, request) of each request a running step took in.
+    took_in: HashSet<(u64, u64)>,
     now: f64,
 }
 
 impl Harness {
     fn new(policy: Policy, caching: bool, max_batch_tokens: u64) -> Self {
+        Self::with_cache(policy, caching, false, max_batch_tokens)
+    }
+
+    fn with_cache(policy: Policy, caching: bool, exact: bool, max_batch_tokens: u64) -> Self {
         let config = SchedulerConfig {
             caching,
+            exact_cache: exact,
             max_batch_tokens,
             policy,
             ..Default::default()
@@ -118,11 +129,13 @@ impl Harness {
             s: Scheduler::new(profile(), config).unwrap(),
             policy,
             caching,
+            exact: caching && exact,
             ids: Vec::new(),
             cancelled: Vec::new(),
             next_id: 0,
             next_instance: 0,
             running: Vec::new(),
+            took_in: HashSet::new(),
             now: 0.0,
         }
     }
@@ -161,11 +174,17 @@ impl Harness {
                     self.arrive(id, 30, 40, 2.0, 0, 0);
                 }
             }
-            Op::Finish { pick, commit, eos } => {
+            Op::Finish {
+                pick,
+                commit,
+                eos,
+                reads,
+            } => {
                 if self.running.is_empty() {
                     return Ok(());
                 }
                 let (inst, members) = self.running.remove(pick % self.running.len());
+                self.read_prefixes(inst, &members, reads)?;
                 let results: Vec<StepResult> = members
                     .iter()
                     .filter_map(|&id| self.s.request(id).ok())
@@ -236,6 +255,9 @@ impl Harness {
                     return Ok(());
                 }
                 let (inst, members) = self.running.remove(pick % self.running.len());
+                for id in &members {
+                    self.took_in.remove(&(inst, *id));
+                }
                 let aborted = self
                     .s
                     .abort_step(inst)
@@ -250,6 +272,52 @@ impl Harness {
                 prop_assert!(inst.batch.is_empty() && inst.predicted_finish.is_none());
             }
             Op::Schedule => self.round()?,
+        }
+        Ok(())
+    }
+
+    /// Under the exact cache, each of `members` that `inst`'s step took in reads up to
+    /// `reads` stored blocks, as its worker would report: every third request its own
+    /// prefix, the others one they share.
+    fn read_prefixes(
+        &mut self,
+        inst: u64,
+        members: &[u64],
+        reads: u32,
+    ) -> Result<(), TestCaseError> {
+        for &id in members {
+            if !self.took_in.remove(&(inst, id)) || !self.exact {
+                continue;
+            }
+            let Ok(info) = self.s.request(id) else {
+                continue;
+            };
+            let base = if id % 3 == 0 { 1000 * (id + 1) } else { 0 };
+            let blocks = u64::from(reads.min(info.prompt_len / info.block_length));
+            self.s
+                .read_prefix(inst, id, (base..base + blocks).collect())
+                .map_err(|e| TestCaseError::fail(format!("valid reads rejected: {e}")))?;
+        }
+        Ok(())
+    }
+
+    /// Cancels every request and reports every running step: each instance must then
+    /// charge nothing, whatever its residents read.
+    fn retire_all(&mut self) -> Result<(), TestCaseError> {
+        for id in std::mem::take(&mut self.ids) {
+            self.s
+                .cancel(id)
+                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        }
+        for (inst, _) in std::mem::take(&mut self.running) {
+            self.s
+                .step_done(inst, 0.02, &[])
+                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        }
+        for id in self.s.instance_ids() {
+            let i = self.s.instance(id).unwrap();
+            prop_assert_eq!(i.residents, 0);
+            prop_assert_eq!(i.kv_used_tokens, 0, "instance {} still charges", id);
         }
         Ok(())
     }
@@ -326,8 +394,17 @@ impl Harness {
                     .get(&e.request)
                     .ok_or_else(|| TestCaseError::fail("unknown"))?;
                 prop_assert!(!b.info.in_flight, "dispatched while in flight");
-                prop_assert_eq!(e.kind, b.info.next_kind);
-                tokens += b.step_tokens;
+                if self.exact && e.new_here {
+                    // The exact cache moves a request between blocks: it prefills there.
+                    prop_assert_eq!(e.kind, StepKind::Recompute);
+                } else {
+                    prop_assert_eq!(e.kind, b.info.next_kind);
+                }
+                if !self.exact {
+                    // (The exact cache's steps feed a prefix or a block's extent.)
+                    prop_assert_eq!(e.tokens, b.step_tokens);
+                }
+                tokens += e.tokens;
                 if self.caching && e.kind == StepKind::Cache {
                     prop_assert!(!e.new_here, "cache step on a new instance");
                     prop_assert_eq!(b.info.instance, Some(batch.instance));
@@ -359,6 +436,9 @@ impl Harness {
                 }
             }
             prop_assert_eq!(tokens, batch.tokens);
+            for e in d.entries_of(batch).iter().filter(|e| e.new_here) {
+                self.took_in.insert((batch.instance, e.request));
+            }
             self.running.push((
                 batch.instance,
                 d.entries_of(batch).iter().map(|e| e.request).collect(),
@@ -367,7 +447,12 @@ impl Harness {
         for m in &d.migrations {
             let b = &before[&m.request];
             prop_assert!(seen.contains(&m.request), "migration without dispatch");
-            if self.caching {
+            if self.exact {
+                prop_assert!(
+                    b.info.next_kind == StepKind::Recompute || b.info.unmasked_in_block == 0,
+                    "migration inside a block"
+                );
+            } else if self.caching {
                 prop_assert_eq!(
                     b.info.next_kind,
                     StepKind::Recompute,
@@ -422,12 +507,13 @@ proptest! {
     #[test]
     fn rounds_respect_invariants(
         policy in policy(),
-        caching in any::<bool>(),
+        cache in 0u8..3,
         max_tokens in prop::sample::select(vec![700u64, 2000, 8192]),
         tps in prop::collection::vec((prop::sample::select(vec![1u32, 2, 4]), capacity()), 1..5),
         ops in prop::collection::vec(op(), 1..120),
     ) {
-        let mut h = Harness::new(policy, caching, max_tokens);
+        // No cache, the approximate one, or block diffusion's exact one.
+        let mut h = Harness::with_cache(policy, cache > 0, cache == 2, max_tokens);
         for (tp, cap) in tps {
             h.apply(&Op::AddInstance(tp, cap))?;
         }
@@ -435,6 +521,7 @@ proptest! {
             h.apply(op)?;
         }
         h.round()?;
+        h.retire_all()?;
     }
 }
 
@@ -455,6 +542,7 @@ fn a_finished_request_holds_no_reservation() {
         pick: 1,
         commit,
         eos: false,
+        reads: 0,
     };
     let none = Capacity(None, None, None);
     let ops = [
