@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from sim import BASELINES, knee_of, llada8b_setup, sweep
+from sim import baselines_to_knee, conversation, llada8b_setup
 
 from dilaserve.engine import Engine, EngineConfig
 from dilaserve.engine.emulation import EmulatedLauncher
@@ -114,8 +114,7 @@ def main() -> None:
     setup = llada8b_setup(len(NODES), NODES[0])
     knee = args.knee or (32.0 if args.quick else None)
     if knee is None:
-        rates = [2.0 * i for i in range(8, 28)]
-        knee = knee_of(sweep(setup, trace, BASELINES, rates, 300.0), rates)
+        knee, _ = baselines_to_knee(setup, conversation(trace, 300.0))
     factors = (1.0,) if args.quick else (0.75, 1.0, 1.25)
     results = {}
     with tempfile.TemporaryDirectory() as directory:

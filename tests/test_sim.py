@@ -140,6 +140,23 @@ def test_day_workload_follows_its_shape_and_layouts_pack_nodes() -> None:
         place([4, 4, 4], [4, 4])
 
 
+def test_a_replay_longer_than_its_scaled_trace_carries_the_rate_to_the_end() -> None:
+    # 19,366 requests at 104 req/s last 186 s: a 300 s window used to end with 114 s idle,
+    # so the runs past 64 req/s served fewer requests than their rate and window say.
+    trace = read_trace(AZURE_CONV)
+    replay = Workload.replay(trace, 104.0, 300.0)
+    assert 0.9 * 104 * 300 < len(replay) < 1.1 * 104 * 300
+    counts, _ = np.histogram(replay.arrival, bins=6, range=(0, 300))
+    assert counts.min() > 0.5 * counts.mean(), counts
+    assert np.all(np.diff(replay.arrival) >= 0) and replay.arrival[-1] < 300
+    # The second pass starts over: its lengths are the trace's from its first request.
+    second = int(np.searchsorted(replay.arrival, (len(trace) + 1) / 104.0))
+    assert second == len(trace)
+    assert replay.prompt_len[second] == trace[0][1] and replay.output_len[second] == trace[0][2]
+    with pytest.raises(ValueError, match="empty trace"):
+        Workload.replay([], 1.0, 10.0)
+
+
 def test_simulate_cli_prints_bench_lines(tmp_path: Path, capsys) -> None:
     out = tmp_path / "sim.jsonl"
     code = main(

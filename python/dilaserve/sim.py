@@ -19,7 +19,7 @@ import numpy as np
 
 from dilaserve import _core
 from dilaserve.bench.report import Summary
-from dilaserve.bench.workload import compressed, gamma_times, poisson_times
+from dilaserve.bench.workload import gamma_times, poisson_times, replayed
 from dilaserve.planner import (
     Arrival,
     BinSpec,
@@ -128,8 +128,8 @@ class Workload:
         cls, trace: Sequence[tuple[float, int, int]], rate: float, duration_s: float
     ) -> Workload:
         """A trace (`bench.workload.read_trace` rows) compressed in time to `rate` requests
-        per second, its bursts and lengths kept, cut at `duration_s`."""
-        rows = [row for row in compressed(trace, rate) if row[0] < duration_s]
+        per second, its bursts and lengths kept, over `duration_s` (`replayed`)."""
+        rows = replayed(trace, rate, duration_s)
         return cls(
             np.asarray([r[0] for r in rows], dtype=np.float64),
             np.asarray([max(1, r[1]) for r in rows], dtype=np.uint32),

@@ -37,12 +37,26 @@ def gamma_times(rate: float, cv: float, duration: float, rng: random.Random) -> 
     return times
 
 
-def compressed(trace: list[tuple[float, int, int]], rate: float) -> list[tuple[float, int, int]]:
+def replayed(
+    trace: list[tuple[float, int, int]], rate: float, duration: float
+) -> list[tuple[float, int, int]]:
     """The trace's rows with their times scaled so that requests arrive at `rate` per
-    second on average, bursts kept."""
+    second on average, bursts kept, cut at `duration`. A window longer than the scaled
+    trace replays it again from its start, one mean gap after its last arrival, so the
+    whole window carries `rate` (a trace that ran out would leave its end idle)."""
+    if not trace:
+        raise ValueError("an empty trace has no arrivals to replay")
     span = trace[-1][0] or 1.0
     trace_s_per_s = rate * span / len(trace)  # trace seconds per benchmark second
-    return [(t / trace_s_per_s, p, o) for t, p, o in trace]
+    period = (len(trace) + 1) / rate  # one scaled copy and the gap before the next
+    rows, start = [], 0.0
+    while True:
+        for t, p, o in trace:
+            when = start + t / trace_s_per_s
+            if when >= duration:
+                return rows
+            rows.append((when, p, o))
+        start += period
 
 
 def trace_arrivals(
@@ -53,12 +67,10 @@ def trace_arrivals(
     rng: random.Random,
 ) -> list[Arrival]:
     """The trace's arrival pattern compressed in time to `rate` requests per second (its
-    bursts kept), cut at `duration`; each output length, times `length_scale`, picks the
+    bursts kept; `replayed`) over `duration`; each output length, times `length_scale`, picks the
     task whose answers are closest in length."""
     arrivals = []
-    for when, _, generated in compressed(trace, rate):
-        if when >= duration:
-            break
+    for when, _, generated in replayed(trace, rate, duration):
         target = generated * length_scale
         task = min(TASKS_BY_LENGTH, key=lambda tl: abs(tl[1] - target))[0]
         (problem,) = make_problems(1, rng.randrange(1 << 30), tasks=(task,))
