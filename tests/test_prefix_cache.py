@@ -59,7 +59,7 @@ def test_a_hit_reads_the_longest_run_of_stored_leading_blocks_in_place():
     assert store.acquire(4, [7, 7, 8, 8, 1, 1]) == 4
     assert _read_shared(store, 4) == [1.0, 2.0, 3.0, 4.0]
     assert len(store.segments(4)) == 1  # stored side by side: one run
-    assert store.stats.hit_tokens == 6 and store.stats.looked_up_tokens == 6 + 4 + 6
+    assert store.stats.hit_tokens == 6 and store.stats.queried_tokens == 6 + 4 + 6
 
 
 def test_shared_blocks_are_held_once_and_evicted_only_after_their_last_reader():

@@ -478,6 +478,20 @@ def prompt_block_keys(prompt: Sequence[int], block: int) -> list[int]:
 
 
 @dataclass
+class PrefixUse:
+    """Prefix sharing's use, in prompt tokens: those looked up in an instance's prefix store,
+    and those found there (their prefill saved). A worker counts its store's; the engine
+    sums what the reports carry."""
+
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+
+    @property
+    def hit_token_share(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+@dataclass
 class StepReport:
     """An instance's answer to one `StepCommand`. What the step did to each request is a
     set of columns, one row per request (`StepOutput` is a row): request i committed

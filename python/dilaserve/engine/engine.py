@@ -29,6 +29,7 @@ from dilaserve.models import text_decoder
 from dilaserve.predictor.serving import predictor_for
 from dilaserve.protocol import (
     CacheMode,
+    PrefixUse,
     RequestState,
     Shutdown,
     StepCommand,
@@ -62,7 +63,7 @@ from .errors import (
     RequestFailedError,
     UnknownRequestError,
 )
-from .instances import InflightStep, InstanceRecord, PrefixCacheUse, StepTimes
+from .instances import InflightStep, InstanceRecord, StepTimes
 from .launcher import Launcher, LocalLauncher, WorkerHandle, WorkerSpec
 from .prefix_index import PrefixIndex
 from .profiles import load_or_measure_profile
@@ -115,7 +116,7 @@ class Engine:
         self._t0 = time.monotonic()
         self.restarts = 0
         self.step_times = StepTimes()
-        self.prefix_cache = PrefixCacheUse()
+        self.prefix_cache = PrefixUse()
         self._rounds = 0
         #: Launches a reconfiguration still has to make: while any are pending, requests
         #: wait for them instead of failing when no instance is left.

@@ -44,15 +44,6 @@ class StepTimes:
 
 
 @dataclass
-class PrefixCacheUse:
-    """Prompt tokens the instances looked up in their prefix stores, and found there (their
-    prefill saved), summed over every report (prefix sharing under the exact cache)."""
-
-    queried_tokens: int = 0
-    hit_tokens: int = 0
-
-
-@dataclass
 class InstanceRecord:
     """One instance as the engine runs it: placement, its worker, its step in flight."""
 

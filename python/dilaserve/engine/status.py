@@ -50,7 +50,7 @@ class EngineStatus:
     step_times: dict[str, float]
     #: The served model's tokens per step per threshold (`Engine.tokens_per_step`).
     tokens_per_step: dict = field(default_factory=dict)
-    #: Prefix sharing's lookups and hits in prompt tokens (`PrefixCacheUse` as a dict).
+    #: Prefix sharing's lookups and hits in prompt tokens (`protocol.PrefixUse` as a dict).
     prefix_cache: dict[str, int] = field(default_factory=dict)
     #: When the snapshot was taken, in seconds on the engine's clock (a snapshot sent by a
     #: core in another process is up to `core_process.STATUS_INTERVAL_S` old).

@@ -22,23 +22,11 @@ import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from dilaserve.protocol import block_key
+from dilaserve.protocol import PrefixUse, block_key
 from dilaserve.worker.kv_cache import CacheFullError, KVCachePool, Move
 
 #: A stored block's key: the key id of the block before it (0 for the first) and its tokens.
 BlockKey = tuple[int, tuple[int, ...]]
-
-
-@dataclass
-class PrefixStats:
-    """Prompt tokens looked up in the store and those found there (their prefill saved)."""
-
-    looked_up_tokens: int = 0
-    hit_tokens: int = 0
-
-    @property
-    def hit_token_share(self) -> float:
-        return self.hit_tokens / self.looked_up_tokens if self.looked_up_tokens else 0.0
 
 
 @dataclass
@@ -58,7 +46,7 @@ class PrefixCache:
         self._keys: dict[int, BlockKey] = {}  # pool id -> key
         self._ids = itertools.count(1)
         self._readers: dict[int, list[_Entry]] = {}  # request id -> the blocks it reads
-        self.stats = PrefixStats()
+        self.stats = PrefixUse()
         pool.on_evict = self._forget
 
     def __len__(self) -> int:
@@ -72,7 +60,7 @@ class PrefixCache:
         reads them until `release`; the positions they cover."""
         if request_id in self._readers:
             raise ValueError(f"request {request_id} already reads a stored prefix")
-        self.stats.looked_up_tokens += len(self._blocks(prompt)) * self.block
+        self.stats.queried_tokens += len(self._blocks(prompt)) * self.block
         hits: list[BlockKey] = []
         read: list[_Entry] = []
         parent = 0

@@ -84,10 +84,10 @@ def execute(runner: StepRunner, command: StepCommand) -> StepReport:
     prefix = runner.prefix
     if prefix is None:
         return _execute(runner, command)
-    before = (prefix.stats.looked_up_tokens, prefix.stats.hit_tokens)
+    before = dataclasses.replace(prefix.stats)
     report = _execute(runner, command)
-    report.prefix_queried_tokens = prefix.stats.looked_up_tokens - before[0]
-    report.prefix_hit_tokens = prefix.stats.hit_tokens - before[1]
+    report.prefix_queried_tokens = prefix.stats.queried_tokens - before.queried_tokens
+    report.prefix_hit_tokens = prefix.stats.hit_tokens - before.hit_tokens
     for state in command.admit:
         if keys := prefix.reads(state.request_id):
             report.prefix_reads[state.request_id] = keys
