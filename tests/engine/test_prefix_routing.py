@@ -19,19 +19,19 @@ def test_the_index_finds_the_instance_holding_the_longest_run_of_leading_blocks(
     index = PrefixIndex(2)
     index.add_instance(1, kv_tokens=100)
     index.add_instance(2, kv_tokens=6)  # three blocks
-    index.record(1, [1, 1, 2, 2, 9])
-    index.record(2, [1, 1, 2, 2, 3, 3])
-    assert index.longest([1, 1, 2, 2, 3, 3, 4]) == (2, 6)
-    assert index.longest([1, 1, 2, 2, 5, 5]) in ((1, 4), (2, 4))
-    assert index.longest([2, 2, 1, 1]) is None  # a block's key is all before it too
+    index.record(1, index.keys([1, 1, 2, 2, 9]))
+    index.record(2, index.keys([1, 1, 2, 2, 3, 3]))
+    assert index.longest(index.keys([1, 1, 2, 2, 3, 3, 4])) == (2, 6)
+    assert index.longest(index.keys([1, 1, 2, 2, 5, 5])) in ((1, 4), (2, 4))
+    assert index.longest(index.keys([2, 2, 1, 1])) is None  # a block's key is all before it too
     # Instance 2 holds three blocks: the root of a new prompt stays, its tail goes first.
-    index.record(2, [7, 7, 8, 8])
-    assert index.longest([1, 1, 2, 2, 3, 3]) == (1, 4)
-    assert index.longest([7, 7, 8, 8]) == (2, 4)
+    index.record(2, index.keys([7, 7, 8, 8]))
+    assert index.longest(index.keys([1, 1, 2, 2, 3, 3])) == (1, 4)
+    assert index.longest(index.keys([7, 7, 8, 8])) == (2, 4)
     index.remove_instance(2)
-    assert index.longest([7, 7, 8, 8]) is None
-    index.record(2, [7, 7])  # an instance it does not know: nothing
-    assert index.longest([7, 7]) is None
+    assert index.longest(index.keys([7, 7, 8, 8])) is None
+    index.record(2, index.keys([7, 7]))  # an instance it does not know: nothing
+    assert index.longest(index.keys([7, 7])) is None
 
 
 def test_a_request_behind_a_stored_system_prompt_is_expected_where_it_is_stored(make_engine):

@@ -315,13 +315,14 @@ class Engine:
             raise OverloadedError(str(exc)) from exc
         except SchedulerError as exc:
             raise BadRequestError(str(exc), index) from exc
-        hit = None if self.prefixes is None else self.prefixes.longest(state.prompt_ids)
+        keys = [] if self.prefixes is None else self.prefixes.keys(state.prompt_ids)
+        hit = None if self.prefixes is None else self.prefixes.longest(keys)
         if hit is not None:
             try:  # a hint: a request it cannot take is placed as without it
                 self.scheduler.expect_prefix(state.request_id, *hit)
             except SchedulerError as exc:
                 log.warning("request %d: stored prefix not expected: %s", state.request_id, exc)
-        req = TrackedRequest(state=state, arrival=now, slo_s=slo)
+        req = TrackedRequest(state=state, arrival=now, slo_s=slo, block_keys=keys)
         self._requests[req.id] = req
         self.reconfigurer.record(now, state.prompt_length, state.output_length)
         return req
@@ -738,7 +739,7 @@ class Engine:
         )
         if self.prefixes is not None:
             for rid in batch.new_here:
-                self.prefixes.record(inst.id, self._requests[rid].state.prompt_ids)
+                self.prefixes.record(inst.id, self._requests[rid].block_keys)
         sent = self.now()
         step = InflightStep(command.step, sent, batch.predicted_s)
         if inst.inflight is None:

@@ -39,22 +39,27 @@ class PrefixIndex:
         self._stores.pop(instance, None)
         self._capacity.pop(instance, None)
 
-    def record(self, instance: int, prompt: Sequence[int]) -> None:
-        """`instance` prefills `prompt` (a request sent there): it will hold its blocks."""
+    def keys(self, prompt: Sequence[int]) -> list[int]:
+        """The keys of `prompt`'s whole blocks, computed once per request: `record` and
+        `longest` take them."""
+        return prompt_block_keys(prompt, self.block)
+
+    def record(self, instance: int, keys: Sequence[int]) -> None:
+        """`instance` prefills a prompt of these block `keys` (a request sent there): it
+        will hold its blocks."""
         store = self._stores.get(instance)
         if store is None:
             return
         # The root used last: evicted last.
-        for key in reversed(prompt_block_keys(prompt, self.block)):
+        for key in reversed(keys):
             store[key] = None
             store.move_to_end(key)
         while len(store) > self._capacity[instance]:
             store.popitem(last=False)
 
-    def longest(self, prompt: Sequence[int]) -> tuple[int, int] | None:
-        """(instance, tokens) of the instance expected to hold the longest run of
-        `prompt`'s leading blocks; None if none holds its first."""
-        chain = prompt_block_keys(prompt, self.block)
+    def longest(self, chain: Sequence[int]) -> tuple[int, int] | None:
+        """(instance, tokens) of the instance expected to hold the longest run of the
+        leading blocks of a prompt of block keys `chain`; None if none holds its first."""
         best: tuple[int, int] | None = None
         for instance, store in self._stores.items():
             held = 0

@@ -95,6 +95,8 @@ class TrackedRequest:
     slo_s: float
     outputs: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
     failed_steps: int = 0
+    #: Its prompt's block keys, where the engine tracks prefix stores (`PrefixIndex.keys`).
+    block_keys: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.text = TextStream(self.id)
