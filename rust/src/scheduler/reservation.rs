@@ -12,7 +12,9 @@
 //! "Soonest" is estimated from what the scheduler knows: an instance whose resident room
 //! already suffices (or that already holds the request) fits at the end of its next step; otherwise residents must leave first,
 //! each at its predicted finish (remaining steps at its highest kept threshold, priced on
-//! that instance), and the instance fits once the earliest leavers free enough room.
+//! that instance), and the instance fits once the earliest leavers free enough room. A
+//! leaver frees its own extent and the shared prompt blocks only it reads: one reader of a
+//! system prompt others read too frees only what follows it.
 
 use super::config::SchedulerConfig;
 use super::cost::DegreeCosts;
@@ -40,7 +42,8 @@ pub(crate) struct Scratch {
     need: Vec<Option<(u64, u64)>>,
     /// Per instance slot: seconds per cache and full step of its residents.
     prices: Vec<(f64, f64)>,
-    /// `(slot, predicted finish, sequence tokens)` of residents of instances that must shed.
+    /// `(slot, predicted finish, KV tokens its leaving frees)` of residents of instances
+    /// that must shed.
     leavers: Vec<(u32, f64, u64)>,
 }
 
@@ -98,7 +101,8 @@ pub(crate) fn soonest(
             let (cache, full) = scratch.prices[home as usize];
             let prices = StepPrices { cache, full };
             let finish = now + remaining_seconds(requests.steps_of(pos)[cap], prices);
-            scratch.leavers.push((home, finish, q.seq_tokens()));
+            let freed = instances[home as usize].freed_by_leaving(q);
+            scratch.leavers.push((home, finish, freed));
         }
         scratch
             .leavers

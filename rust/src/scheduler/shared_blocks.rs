@@ -53,6 +53,18 @@ impl SharedBlocks {
         (read, held)
     }
 
+    /// Blocks request `id` reads, and how many of them no other resident reads (those its
+    /// leaving frees).
+    pub fn reads_of(&self, id: u64) -> (u64, u64) {
+        self.reads.get(&id).map_or((0, 0), |keys| {
+            let sole = keys
+                .iter()
+                .filter(|k| self.readers.get(k) == Some(&1))
+                .count();
+            (keys.len() as u64, sole as u64)
+        })
+    }
+
     /// Forgets every read (the instance is gone).
     pub fn clear(&mut self) {
         *self = Self::default();
@@ -70,6 +82,10 @@ mod tests {
         // A second reader of the first two: its extent is two blocks shorter, nothing new held.
         assert_eq!(s.set_reads(2, vec![10, 11]), (2, 0));
         assert_eq!(s.readers.len(), 3);
+        assert_eq!(
+            (s.reads_of(1), s.reads_of(2), s.reads_of(3)),
+            ((3, 1), (2, 0), (0, 0))
+        );
         // The first leaves: its reads go, and block 12, which only it read.
         assert_eq!(s.set_reads(1, vec![]), (-3, -1));
         assert_eq!(s.readers.len(), 2);

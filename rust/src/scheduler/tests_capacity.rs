@@ -318,3 +318,40 @@ fn requests_reading_one_stored_prefix_are_admitted_counting_it_once() {
     s.read_prefix(1, 99, vec![1]).unwrap();
     assert_eq!(s.instance(1).unwrap().kv_used_tokens, 960 + 448);
 }
+
+#[test]
+fn a_reservation_counts_a_leaving_reader_free_only_of_what_no_one_else_reads() {
+    let mut s = exact_scheduler(Policy::dilaserve().without_load_control());
+    s.add_instance(limited(1, Some(1100), None, None)).unwrap();
+    // Two readers of one stored 384-token system prompt (both fit as whole sequences, until
+    // their reports): a short answer and a long one.
+    s.arrive(RequestSpec::new(1, 0.0, 100.0, 384, 32)).unwrap();
+    s.arrive(RequestSpec::new(2, 0.0, 100.0, 384, 256)).unwrap();
+    let d = s.schedule(0.0).unwrap().clone();
+    assert_eq!(ids(&batch_of(&d, 1)), [1, 2]);
+    for id in [1, 2] {
+        s.read_prefix(1, id, (1..=12).collect()).unwrap();
+    }
+    s.step_done(1, 0.05, &results(&batch_of(&d, 1), 1)).unwrap();
+    assert_eq!(s.instance(1).unwrap().kv_used_tokens, 32 + 256 + 384);
+    // A 512-token request on instance 2, which joins now.
+    s.arrive(RequestSpec::new(3, 0.05, 100.0, 384, 128))
+        .unwrap();
+    s.add_instance(limited(2, Some(1000), None, None)).unwrap();
+    let d = s.schedule(0.05).unwrap().clone();
+    assert_eq!(ids(&batch_of(&d, 2)), [3]);
+    // 700 tokens fit neither (428 and 488 tokens of room). Request 1 leaves first but frees
+    // only its own 32 tokens, since request 2 still reads the prompt: instance 1 fits only
+    // once request 2 leaves too, after request 3 has left instance 2.
+    s.arrive(RequestSpec::new(4, 0.05, 100.0, 636, 64)).unwrap();
+    let d = s.schedule(0.05).unwrap();
+    assert_eq!(
+        d.waiting,
+        vec![Waiting {
+            request: 4,
+            reason: WaitReason::NoKvRoom
+        }]
+    );
+    assert_eq!(s.instance(2).unwrap().reserved_for, Some(4));
+    assert_eq!(s.instance(1).unwrap().reserved_for, None);
+}
