@@ -67,8 +67,8 @@ def trace_arrivals(
     rng: random.Random,
 ) -> list[Arrival]:
     """The trace's arrival pattern compressed in time to `rate` requests per second (its
-    bursts kept; `replayed`) over `duration`; each output length, times `length_scale`, picks the
-    task whose answers are closest in length."""
+    bursts kept; `replayed`) over `duration`; each output length, times `length_scale`,
+    picks the task whose answers are closest in length."""
     arrivals = []
     for when, _, generated in replayed(trace, rate, duration):
         target = generated * length_scale

@@ -315,8 +315,10 @@ class Engine:
             raise OverloadedError(str(exc)) from exc
         except SchedulerError as exc:
             raise BadRequestError(str(exc), index) from exc
-        keys = [] if self.prefixes is None else self.prefixes.keys(state.prompt_ids)
-        hit = None if self.prefixes is None else self.prefixes.longest(keys)
+        keys, hit = [], None
+        if self.prefixes is not None:
+            keys = self.prefixes.keys(state.prompt_ids)
+            hit = self.prefixes.longest(keys)
         if hit is not None:
             try:  # a hint: a request it cannot take is placed as without it
                 self.scheduler.expect_prefix(state.request_id, *hit)
