@@ -224,11 +224,9 @@ impl Instance {
         self.kv_used -= r.seq_tokens();
     }
 
-    /// KV tokens resident `r`'s leaving frees now: its own extent and the stored blocks no
-    /// other resident reads.
-    pub fn freed_by_leaving(&self, r: &Request) -> u64 {
-        let (read, sole) = self.shared.reads_of(r.id);
-        r.seq_tokens() - (read - sole) * u64::from(r.block_length)
+    /// Keys of the stored blocks resident `r` reads (as its worker reported).
+    pub fn reads_of(&self, r: &Request) -> &[u64] {
+        self.shared.keys_of(r.id)
     }
 
     /// *(ours)* Resident `r` reads the stored blocks `keys` (as its worker reported).

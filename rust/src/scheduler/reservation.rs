@@ -13,8 +13,10 @@
 //! already suffices (or that already holds the request) fits at the end of its next step; otherwise residents must leave first,
 //! each at its predicted finish (remaining steps at its highest kept threshold, priced on
 //! that instance), and the instance fits once the earliest leavers free enough room. A
-//! leaver frees its own extent and the shared prompt blocks only it reads: one reader of a
-//! system prompt others read too frees only what follows it.
+//! leaver frees its own extent, and each stored block it reads if it is the last of the
+//! block's readers to leave: a system prompt many residents read frees with the last of them.
+
+use std::collections::HashSet;
 
 use super::config::SchedulerConfig;
 use super::cost::DegreeCosts;
@@ -42,9 +44,22 @@ pub(crate) struct Scratch {
     need: Vec<Option<(u64, u64)>>,
     /// Per instance slot: seconds per cache and full step of its residents.
     prices: Vec<(f64, f64)>,
-    /// `(slot, predicted finish, KV tokens its leaving frees)` of residents of instances
-    /// that must shed.
-    leavers: Vec<(u32, f64, u64)>,
+    /// Residents of instances that must shed, by slot and predicted finish.
+    leavers: Vec<Leaver>,
+    /// Stored blocks a later leaver of the instance being walked reads.
+    read_later: HashSet<u64>,
+}
+
+/// A resident of an instance that must shed, as [`soonest`] expects it to leave.
+#[derive(Clone, Copy, Debug)]
+struct Leaver {
+    slot: u32,
+    /// Predicted finish, in seconds.
+    finish: f64,
+    /// Its position in the request table.
+    pos: u32,
+    /// KV tokens its leaving frees.
+    freed: u64,
 }
 
 /// The instance that would fit request `r` soonest, among those that could hold it empty.
@@ -101,12 +116,31 @@ pub(crate) fn soonest(
             let (cache, full) = scratch.prices[home as usize];
             let prices = StepPrices { cache, full };
             let finish = now + remaining_seconds(requests.steps_of(pos)[cap], prices);
-            let freed = instances[home as usize].freed_by_leaving(q);
-            scratch.leavers.push((home, finish, freed));
+            scratch.leavers.push(Leaver {
+                slot: home,
+                finish,
+                pos,
+                freed: 0,
+            });
         }
         scratch
             .leavers
-            .sort_unstable_by(|a, b| a.0.cmp(&b.0).then(a.1.total_cmp(&b.1)));
+            .sort_unstable_by(|a, b| a.slot.cmp(&b.slot).then(a.finish.total_cmp(&b.finish)));
+        for group in scratch.leavers.chunk_by_mut(|a, b| a.slot == b.slot) {
+            let inst = &instances[group[0].slot as usize];
+            scratch.read_later.clear();
+            // Latest first: a block goes with the last of its readers to leave.
+            for leaver in group.iter_mut().rev() {
+                let q = requests.req(leaver.pos);
+                let reads = inst.reads_of(q);
+                let last = reads
+                    .iter()
+                    .filter(|&&k| scratch.read_later.insert(k))
+                    .count();
+                let still_read = (reads.len() - last) as u64;
+                leaver.freed = q.seq_tokens() - still_read * u64::from(q.block_length);
+            }
+        }
     }
     let mut best: Option<(f64, u32)> = None;
     let mut cursor = 0;
@@ -118,17 +152,17 @@ pub(crate) fn soonest(
         let inst = &instances[slot as usize];
         let mut at = placement.next_end(slot, inst, &groups[inst.group]);
         if need_tokens > 0 || need_reqs > 0 {
-            while cursor < scratch.leavers.len() && scratch.leavers[cursor].0 < slot {
+            while cursor < scratch.leavers.len() && scratch.leavers[cursor].slot < slot {
                 cursor += 1;
             }
             let (mut freed, mut left) = (0u64, 0u64);
-            while cursor < scratch.leavers.len() && scratch.leavers[cursor].0 == slot {
-                let (_, finish, tokens) = scratch.leavers[cursor];
+            while cursor < scratch.leavers.len() && scratch.leavers[cursor].slot == slot {
+                let leaver = scratch.leavers[cursor];
                 cursor += 1;
                 if freed < need_tokens || left < need_reqs {
-                    freed += tokens;
+                    freed += leaver.freed;
                     left += 1;
-                    at = at.max(finish);
+                    at = at.max(leaver.finish);
                 }
             }
         }

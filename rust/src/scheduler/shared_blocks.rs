@@ -53,16 +53,9 @@ impl SharedBlocks {
         (read, held)
     }
 
-    /// Blocks request `id` reads, and how many of them no other resident reads (those its
-    /// leaving frees).
-    pub fn reads_of(&self, id: u64) -> (u64, u64) {
-        self.reads.get(&id).map_or((0, 0), |keys| {
-            let sole = keys
-                .iter()
-                .filter(|k| self.readers.get(k) == Some(&1))
-                .count();
-            (keys.len() as u64, sole as u64)
-        })
+    /// Keys of the stored blocks request `id` reads (none if it reads none).
+    pub fn keys_of(&self, id: u64) -> &[u64] {
+        self.reads.get(&id).map_or(&[], Vec::as_slice)
     }
 
     /// Forgets every read (the instance is gone).
@@ -83,8 +76,8 @@ mod tests {
         assert_eq!(s.set_reads(2, vec![10, 11]), (2, 0));
         assert_eq!(s.readers.len(), 3);
         assert_eq!(
-            (s.reads_of(1), s.reads_of(2), s.reads_of(3)),
-            ((3, 1), (2, 0), (0, 0))
+            (s.keys_of(1), s.keys_of(2), s.keys_of(3)),
+            (&[10, 11, 12][..], &[10, 11][..], &[][..])
         );
         // The first leaves: its reads go, and block 12, which only it read.
         assert_eq!(s.set_reads(1, vec![]), (-3, -1));

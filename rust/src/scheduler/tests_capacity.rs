@@ -355,3 +355,40 @@ fn a_reservation_counts_a_leaving_reader_free_only_of_what_no_one_else_reads() {
     assert_eq!(s.instance(2).unwrap().reserved_for, Some(4));
     assert_eq!(s.instance(1).unwrap().reserved_for, None);
 }
+
+#[test]
+fn a_reservation_expects_a_shared_prompt_freed_when_its_last_reader_leaves() {
+    let mut s = exact_scheduler(Policy::dilaserve().without_load_control());
+    s.add_instance(limited(1, Some(1450), None, None)).unwrap();
+    // Two readers of one stored 384-token system prompt, a short and a longer answer, and a
+    // long request that reads nothing.
+    s.arrive(RequestSpec::new(1, 0.0, 100.0, 384, 32)).unwrap();
+    s.arrive(RequestSpec::new(2, 0.0, 100.0, 384, 64)).unwrap();
+    s.arrive(RequestSpec::new(3, 0.0, 100.0, 100, 448)).unwrap();
+    let d = s.schedule(0.0).unwrap().clone();
+    assert_eq!(ids(&batch_of(&d, 1)), [1, 2, 3]);
+    for id in [1, 2] {
+        s.read_prefix(1, id, (1..=12).collect()).unwrap();
+    }
+    s.step_done(1, 0.05, &results(&batch_of(&d, 1), 1)).unwrap();
+    assert_eq!(s.instance(1).unwrap().kv_used_tokens, 32 + 64 + 384 + 548);
+    // A 576-token request on instance 2, which joins now (422 tokens of room on instance 1).
+    s.arrive(RequestSpec::new(4, 0.05, 100.0, 384, 192))
+        .unwrap();
+    s.add_instance(limited(2, Some(1000), None, None)).unwrap();
+    let d = s.schedule(0.05).unwrap().clone();
+    assert_eq!(ids(&batch_of(&d, 2)), [4]);
+    // 700 tokens fit neither (422 and 424 tokens of room). On instance 1 the prompt frees
+    // with request 2, its last reader, long before request 3 or 4 finishes.
+    s.arrive(RequestSpec::new(5, 0.05, 100.0, 636, 64)).unwrap();
+    let d = s.schedule(0.05).unwrap();
+    assert_eq!(
+        d.waiting,
+        vec![Waiting {
+            request: 5,
+            reason: WaitReason::NoKvRoom
+        }]
+    );
+    assert_eq!(s.instance(1).unwrap().reserved_for, Some(5));
+    assert_eq!(s.instance(2).unwrap().reserved_for, None);
+}
