@@ -462,9 +462,10 @@ mod tests {
         let v1 = r#"{"version":1,"tables":[{"tp":1,"kind":"cache","points":[[32,0.01]]}]}"#;
         let p = LatencyProfile::from_json(v1).unwrap();
         assert!(p.table(1, StepKind::Cache).unwrap().contexts().is_empty());
-        // Read at run time: a test binary reused from a build cache shared with another
-        // checkout would carry that checkout's path at compile time.
-        let root = std::env::var("CARGO_MANIFEST_DIR").unwrap();
+        // Read at run time where cargo runs the test: a test binary reused from a build
+        // cache shared with another checkout carries that checkout's path at compile time.
+        let root = std::env::var("CARGO_MANIFEST_DIR")
+            .unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").to_owned());
         let shipped = format!("{root}/python/dilaserve/profiles/llada8b_h100_simulated.json");
         let p = LatencyProfile::load(&shipped).unwrap();
         assert_eq!(p.degrees(), vec![1, 2, 4, 8]);

@@ -400,8 +400,21 @@ impl Harness {
                 } else {
                     prop_assert_eq!(e.kind, b.info.next_kind);
                 }
-                if !self.exact {
-                    // (The exact cache's steps feed a prefix or a block's extent.)
+                if self.exact {
+                    // A prefill feeds at most the sequence (less behind a stored prefix);
+                    // a cache step its block, and the finished one too at a block opening.
+                    let block = u64::from(b.info.block_length);
+                    let most = match e.kind {
+                        StepKind::Cache => 2 * block,
+                        _ => u64::from(b.info.prompt_len) + u64::from(b.info.output_len),
+                    };
+                    prop_assert!(
+                        (1..=most).contains(&e.tokens),
+                        "{:?} step of {} tokens",
+                        e.kind,
+                        e.tokens
+                    );
+                } else {
                     prop_assert_eq!(e.tokens, b.step_tokens);
                 }
                 tokens += e.tokens;
