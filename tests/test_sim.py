@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dilaserve.bench.report import Summary
+from dilaserve.bench.workload import gamma_times, poisson_times
 from dilaserve.cli import main
 from dilaserve.predictor import progress as progress_model
 from dilaserve.profiles import SIMULATED_LLADA8B
@@ -150,11 +152,45 @@ def test_a_replay_longer_than_its_scaled_trace_carries_the_rate_to_the_end() -> 
     assert counts.min() > 0.5 * counts.mean(), counts
     assert np.all(np.diff(replay.arrival) >= 0) and replay.arrival[-1] < 300
     # The second pass starts over: its lengths are the trace's from its first request.
-    second = int(np.searchsorted(replay.arrival, (len(trace) + 1) / 104.0))
+    second = int(np.searchsorted(replay.arrival, len(trace) / 104.0))
     assert second == len(trace)
     assert replay.prompt_len[second] == trace[0][1] and replay.output_len[second] == trace[0][2]
     with pytest.raises(ValueError, match="empty trace"):
         Workload.replay([], 1.0, 10.0)
+
+
+@pytest.mark.parametrize(
+    "trace", [[(0.0, 5, 7)], [(0.0, 5, 7), (3.0, 6, 8)], [(0.0, 5, 7), (0.0, 6, 8), (9.0, 1, 2)]]
+)
+def test_a_replayed_trace_of_any_length_arrives_at_exactly_its_rate(trace) -> None:
+    # A pass of n requests lasts n mean gaps, the gap before the next pass included: one
+    # row replayed at 10 req/s used to arrive at 5 req/s. (The window may cut a pass.)
+    replay = Workload.replay(trace, 10.0, 100.0)
+    assert abs(len(replay) - 1000) < len(trace)
+    assert replay.prompt_len[: len(trace)].tolist() == [r[1] for r in trace]
+
+
+@pytest.mark.parametrize(
+    ("rate", "duration"), [(0.0, 10.0), (-1.0, 10.0), (float("nan"), 10.0), (1.0, float("inf"))]
+)
+def test_arrivals_refuse_a_rate_or_window_that_would_never_end(rate, duration) -> None:
+    rng = random.Random(0)
+    for arrivals in (
+        lambda: Workload.replay([(0.0, 5, 7)], rate, duration),
+        lambda: poisson_times(rate, duration, rng),
+        lambda: gamma_times(rate, 2.0, duration, rng),
+    ):
+        with pytest.raises(ValueError, match="positive finite rate"):
+            arrivals()
+
+
+@pytest.mark.parametrize("argv", [["--rates", "8,0"], ["--rates", "-2"], ["--duration", "inf"]])
+def test_simulate_and_bench_refuse_rates_and_windows_that_would_never_end(argv, capsys) -> None:
+    for command in (["simulate"], ["bench", "--url", "http://127.0.0.1:1"]):
+        with pytest.raises(SystemExit) as exit_:
+            main([*command, *argv])
+        assert exit_.value.code == 2
+        assert "expected positive finite numbers" in capsys.readouterr().err
 
 
 def test_simulate_cli_prints_bench_lines(tmp_path: Path, capsys) -> None:

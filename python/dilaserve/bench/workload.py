@@ -3,6 +3,7 @@ each arrival, a task problem of the embedded model's suite, so every answer is c
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -18,7 +19,14 @@ class Arrival:
     problem: Problem
 
 
+def _check_window(rate: float, duration: float) -> None:
+    """Arrivals need a positive rate and a finite window: anything else never ends."""
+    if not (rate > 0 and math.isfinite(rate) and math.isfinite(duration)):
+        raise ValueError(f"arrivals need a positive finite rate and window: {rate}/s, {duration} s")
+
+
 def poisson_times(rate: float, duration: float, rng: random.Random) -> list[float]:
+    _check_window(rate, duration)
     times, t = [], rng.expovariate(rate)
     while t < duration:
         times.append(t)
@@ -29,6 +37,9 @@ def poisson_times(rate: float, duration: float, rng: random.Random) -> list[floa
 def gamma_times(rate: float, cv: float, duration: float, rng: random.Random) -> list[float]:
     """Bursty arrivals: Gamma inter-arrival times with mean 1/rate and coefficient of
     variation `cv` (BurstGPT's shape; cv = 1 is Poisson)."""
+    _check_window(rate, duration)
+    if not cv > 0:
+        raise ValueError(f"a Gamma coefficient of variation must be positive, got {cv}")
     shape = 1.0 / (cv * cv)
     times, t = [], rng.gammavariate(shape, 1.0 / (rate * shape))
     while t < duration:
@@ -44,19 +55,21 @@ def replayed(
     second on average, bursts kept, cut at `duration`. A window longer than the scaled
     trace replays it again from its start, one mean gap after its last arrival, so the
     whole window carries `rate` (a trace that ran out would leave its end idle)."""
+    _check_window(rate, duration)
     if not trace:
         raise ValueError("an empty trace has no arrivals to replay")
-    span = trace[-1][0] or 1.0
-    trace_s_per_s = rate * span / len(trace)  # trace seconds per benchmark second
-    period = (len(trace) + 1) / rate  # one scaled copy and the gap before the next
-    rows, start = [], 0.0
+    n, span = len(trace), trace[-1][0]
+    # The n - 1 gaps inside the trace and the one before its next pass average 1/rate.
+    scale = (n - 1) / (rate * span) if span > 0 else 0.0
+    period = n / rate
+    rows, passes = [], 0
     while True:
         for t, p, o in trace:
-            when = start + t / trace_s_per_s
+            when = passes * period + t * scale
             if when >= duration:
                 return rows
             rows.append((when, p, o))
-        start += period
+        passes += 1
 
 
 def trace_arrivals(

@@ -13,12 +13,9 @@ import sys
 from tqdm import tqdm
 
 from dilaserve.bench import SweepSpec, plot, run_sweep
+from dilaserve.cli.args import positive_float, positive_floats
 from dilaserve.scheduler import PRESETS, Policy
 from dilaserve.traces import TRACE_HELP
-
-
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",")]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -35,8 +32,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="dilaserve,infaas,llumnix",
         help=f"comma-separated, of {', '.join(PRESETS)} or fixed-T",
     )
-    p.add_argument("--rates", type=_floats, default=[1.0, 2.0, 4.0], help="requests/s")
-    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per rate")
+    p.add_argument("--rates", type=positive_floats, default=[1.0, 2.0, 4.0], help="requests/s")
+    p.add_argument(
+        "--duration", type=positive_float, default=30.0, help="seconds of arrivals per rate"
+    )
     p.add_argument("--arrivals", choices=["poisson", "gamma", "trace"], default="poisson")
     p.add_argument("--gamma-cv", type=float, default=2.0, help="burstiness of gamma arrivals")
     p.add_argument("--trace", help=TRACE_HELP)

@@ -6,14 +6,11 @@ import argparse
 import json
 import sys
 
+from dilaserve.cli.args import floats
 from dilaserve.cli.common import add_model_arguments, load_model_from_args, model_dir
 from dilaserve.models import load_tokenizer
 from dilaserve.tiny.evaluate import EVAL_SEED, THRESHOLDS, SweepRow, modes_of, plot, sweep
 from dilaserve.tiny.tasks import GENERATORS, make_problems
-
-
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",")]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -29,7 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object per (τ, cache) line")
     p.add_argument("--n", type=int, default=500, help="number of held-out problems")
     p.add_argument("--seed", type=int, default=EVAL_SEED, help="seed of the held-out problems")
-    p.add_argument("--thresholds", type=_floats, default=list(THRESHOLDS))
+    p.add_argument("--thresholds", type=floats, default=list(THRESHOLDS))
     p.add_argument(
         "--tasks",
         type=lambda s: tuple(s.split(",")),

@@ -9,11 +9,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from dilaserve.cli.args import floats
 from dilaserve.cli.common import add_model_arguments, load_model_from_args, model_dir
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in text.split(","))
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -91,7 +88,7 @@ def _add_decode_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--n", type=int, default=600, help="task-suite prompts to draw")
     p.add_argument("--seed", type=int, default=20_260_612, help="seed of the drawn prompts")
-    p.add_argument("--thresholds", type=_floats, default=(0.5, 0.6, 0.7, 0.8, 0.9, 1.0))
+    p.add_argument("--thresholds", type=floats, default=(0.5, 0.6, 0.7, 0.8, 0.9, 1.0))
     p.add_argument(
         "--cache",
         choices=["none", "prefix", "dual", "block"],
@@ -115,7 +112,7 @@ def _decode(args: argparse.Namespace, switched_runs: int, max_switch_step: int =
     model = load_model_from_args(args)
     block = model.config.block_size
     config = CollectConfig(
-        thresholds=args.thresholds,
+        thresholds=tuple(args.thresholds),
         switched_runs=switched_runs,
         max_switch_step=max_switch_step,
         block_length=args.block_length or block or 32,

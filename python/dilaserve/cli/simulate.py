@@ -14,6 +14,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dilaserve.bench.report import plot
+from dilaserve.cli.args import positive_float, positive_floats
 from dilaserve.cli.serve import parse_instances
 from dilaserve.planner import FAST_DLLM_THRESHOLDS
 from dilaserve.predictor import progress as progress_model
@@ -25,10 +26,6 @@ from dilaserve.traces import TRACE_HELP, read_trace
 
 #: ShareGPT-like (prompt, output) lengths when no trace is given (DESIGN §9 medians).
 DEFAULT_LENGTHS = [(28, 224), (140, 264), (344, 544), (1698, 928)]
-
-
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",")]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -50,8 +47,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="dilaserve,infaas,llumnix",
         help=f"comma-separated, of {', '.join(PRESETS)} or fixed-T (a fixed threshold T)",
     )
-    p.add_argument("--rates", type=_floats, default=[16.0, 24.0, 32.0], help="requests/s")
-    p.add_argument("--duration", type=float, default=300.0, help="simulated seconds per rate")
+    p.add_argument("--rates", type=positive_floats, default=[16.0, 24.0, 32.0], help="requests/s")
+    p.add_argument(
+        "--duration", type=positive_float, default=300.0, help="simulated seconds per rate"
+    )
     p.add_argument("--arrivals", choices=["poisson", "gamma", "day", "trace"], default="trace")
     p.add_argument("--gamma-cv", type=float, default=2.0)
     p.add_argument(
