@@ -5,6 +5,8 @@ counts the instances' lookups and hits and exports them."""
 
 from __future__ import annotations
 
+import asyncio
+
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -95,3 +97,33 @@ def test_prefix_store_reads_lookups_and_hits_are_reported_counted_and_exported(m
     (hits,) = families["dilaserve:prefix_cache_hits"].samples
     assert hits.value == 16
     assert families["dilaserve:prefix_cache_queries"].samples[0].value == use["queried_tokens"]
+
+
+def test_readers_of_a_stored_prompt_leave_their_instance_charging_nothing(make_engine):
+    """Requests behind one stored system prompt run side by side, each reading its blocks;
+    once all have finished, the instance's KV charge is back to zero: no read outlives its
+    reader, and no shared block stays counted."""
+    harness = make_engine(model=MOE_MODEL_NAME, cache=CacheMode.BLOCK, instances=(1,))
+    engine = harness.engine
+    system = "sumsoffivedigits:"  # two whole blocks of 8 shared
+    harness.run(engine.complete(system + "12345+67890=", GenerationParams(max_tokens=8)))
+    scheduler = engine.scheduler
+    read_prefix = scheduler.read_prefix
+    reads: list[list[int]] = []
+
+    def read(instance_id: int, request_id: int, keys: list[int]) -> None:
+        reads.append(keys)
+        read_prefix(instance_id, request_id, keys)
+
+    async def together() -> None:
+        # One position a step: the first step finishes none of them (a request that
+        # finishes in the step that took it in reads nothing by its report).
+        one_a_step = GenerationParams(max_tokens=8, steps_per_block=8)
+        prompt = system + "31415+42653="
+        await asyncio.gather(*(engine.complete(prompt, one_a_step) for _ in range(3)))
+
+    with harness.patched(scheduler, "read_prefix", read):
+        harness.run(together())
+    assert len(reads) == 3 and len(reads[0]) == 2 and reads.count(reads[0]) == 3
+    (instance,) = harness.call(lambda: engine.status().instances)
+    assert (instance.residents, instance.resident_tokens, instance.kv_used_tokens) == (0, 0, 0)
