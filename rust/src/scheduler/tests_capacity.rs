@@ -319,76 +319,77 @@ fn requests_reading_one_stored_prefix_are_admitted_counting_it_once() {
     assert_eq!(s.instance(1).unwrap().kv_used_tokens, 960 + 448);
 }
 
-#[test]
-fn a_reservation_counts_a_leaving_reader_free_only_of_what_no_one_else_reads() {
+/// Instance 1 (`kv` tokens) takes `residents` (prompt, output; ids from 1) in one round;
+/// requests 1 and 2 report reading the 12 blocks of one stored 384-token system prompt,
+/// which leaves instance 1 charging `kv_used`. Instance 2 (1,000 tokens) joins and takes
+/// the next request (384 + `other_output` tokens, too large for instance 1's room); then a
+/// 700-token request arrives that fits neither and waits for KV room. Returns the scheduler
+/// and the waiting request's id.
+fn reservation_behind_a_shared_prompt(
+    kv: u64,
+    residents: &[(u32, u32)],
+    kv_used: u64,
+    other_output: u32,
+) -> (Scheduler, u64) {
     let mut s = exact_scheduler(Policy::dilaserve().without_load_control());
-    s.add_instance(limited(1, Some(1100), None, None)).unwrap();
-    // Two readers of one stored 384-token system prompt (both fit as whole sequences, until
-    // their reports): a short answer and a long one.
-    s.arrive(RequestSpec::new(1, 0.0, 100.0, 384, 32)).unwrap();
-    s.arrive(RequestSpec::new(2, 0.0, 100.0, 384, 256)).unwrap();
+    s.add_instance(limited(1, Some(kv), None, None)).unwrap();
+    let ids_here: Vec<u64> = (1..=residents.len() as u64).collect();
+    for (&id, &(prompt, output)) in ids_here.iter().zip(residents) {
+        s.arrive(RequestSpec::new(id, 0.0, 100.0, prompt, output))
+            .unwrap();
+    }
     let d = s.schedule(0.0).unwrap().clone();
-    assert_eq!(ids(&batch_of(&d, 1)), [1, 2]);
+    assert_eq!(ids(&batch_of(&d, 1)), ids_here);
     for id in [1, 2] {
         s.read_prefix(1, id, (1..=12).collect()).unwrap();
     }
     s.step_done(1, 0.05, &results(&batch_of(&d, 1), 1)).unwrap();
-    assert_eq!(s.instance(1).unwrap().kv_used_tokens, 32 + 256 + 384);
-    // A 512-token request on instance 2, which joins now.
-    s.arrive(RequestSpec::new(3, 0.05, 100.0, 384, 128))
+    assert_eq!(s.instance(1).unwrap().kv_used_tokens, kv_used);
+    let other = residents.len() as u64 + 1;
+    s.arrive(RequestSpec::new(other, 0.05, 100.0, 384, other_output))
         .unwrap();
     s.add_instance(limited(2, Some(1000), None, None)).unwrap();
     let d = s.schedule(0.05).unwrap().clone();
-    assert_eq!(ids(&batch_of(&d, 2)), [3]);
-    // 700 tokens fit neither (428 and 488 tokens of room). Request 1 leaves first but frees
-    // only its own 32 tokens, since request 2 still reads the prompt: instance 1 fits only
-    // once request 2 leaves too, after request 3 has left instance 2.
-    s.arrive(RequestSpec::new(4, 0.05, 100.0, 636, 64)).unwrap();
+    assert_eq!(ids(&batch_of(&d, 2)), [other]);
+    let waiter = other + 1;
+    s.arrive(RequestSpec::new(waiter, 0.05, 100.0, 636, 64))
+        .unwrap();
     let d = s.schedule(0.05).unwrap();
     assert_eq!(
         d.waiting,
         vec![Waiting {
-            request: 4,
+            request: waiter,
             reason: WaitReason::NoKvRoom
         }]
     );
-    assert_eq!(s.instance(2).unwrap().reserved_for, Some(4));
+    (s, waiter)
+}
+
+#[test]
+fn a_reservation_counts_a_leaving_reader_free_only_of_what_no_one_else_reads() {
+    // Two readers, a short answer and a long one (both fit as whole sequences, until their
+    // reports); a 512-token request on instance 2. The 700-token request fits neither (428
+    // and 488 tokens of room). Request 1 leaves first but frees only its own 32 tokens,
+    // since request 2 still reads the prompt: instance 1 fits only once request 2 leaves
+    // too, after request 3 has left instance 2.
+    let (s, waiter) =
+        reservation_behind_a_shared_prompt(1100, &[(384, 32), (384, 256)], 32 + 256 + 384, 128);
+    assert_eq!(s.instance(2).unwrap().reserved_for, Some(waiter));
     assert_eq!(s.instance(1).unwrap().reserved_for, None);
 }
 
 #[test]
 fn a_reservation_expects_a_shared_prompt_freed_when_its_last_reader_leaves() {
-    let mut s = exact_scheduler(Policy::dilaserve().without_load_control());
-    s.add_instance(limited(1, Some(1450), None, None)).unwrap();
-    // Two readers of one stored 384-token system prompt, a short and a longer answer, and a
-    // long request that reads nothing.
-    s.arrive(RequestSpec::new(1, 0.0, 100.0, 384, 32)).unwrap();
-    s.arrive(RequestSpec::new(2, 0.0, 100.0, 384, 64)).unwrap();
-    s.arrive(RequestSpec::new(3, 0.0, 100.0, 100, 448)).unwrap();
-    let d = s.schedule(0.0).unwrap().clone();
-    assert_eq!(ids(&batch_of(&d, 1)), [1, 2, 3]);
-    for id in [1, 2] {
-        s.read_prefix(1, id, (1..=12).collect()).unwrap();
-    }
-    s.step_done(1, 0.05, &results(&batch_of(&d, 1), 1)).unwrap();
-    assert_eq!(s.instance(1).unwrap().kv_used_tokens, 32 + 64 + 384 + 548);
-    // A 576-token request on instance 2, which joins now (422 tokens of room on instance 1).
-    s.arrive(RequestSpec::new(4, 0.05, 100.0, 384, 192))
-        .unwrap();
-    s.add_instance(limited(2, Some(1000), None, None)).unwrap();
-    let d = s.schedule(0.05).unwrap().clone();
-    assert_eq!(ids(&batch_of(&d, 2)), [4]);
-    // 700 tokens fit neither (422 and 424 tokens of room). On instance 1 the prompt frees
+    // Two readers, a short and a longer answer, and a long request that reads nothing; a
+    // 576-token request on instance 2 (422 tokens of room on instance 1). The 700-token
+    // request fits neither (422 and 424 tokens of room). On instance 1 the prompt frees
     // with request 2, its last reader, long before request 3 or 4 finishes.
-    s.arrive(RequestSpec::new(5, 0.05, 100.0, 636, 64)).unwrap();
-    let d = s.schedule(0.05).unwrap();
-    assert_eq!(
-        d.waiting,
-        vec![Waiting {
-            request: 5,
-            reason: WaitReason::NoKvRoom
-        }]
+    let (s, waiter) = reservation_behind_a_shared_prompt(
+        1450,
+        &[(384, 32), (384, 64), (100, 448)],
+        32 + 64 + 384 + 548,
+        192,
     );
-    assert_eq!(s.instance(1).unwrap().reserved_for, Some(5));
+    assert_eq!(s.instance(1).unwrap().reserved_for, Some(waiter));
     assert_eq!(s.instance(2).unwrap().reserved_for, None);
 }
